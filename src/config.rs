@@ -1,0 +1,588 @@
+//! Plugin configuration: serde for the JSON shape, then a validation step that compiles it into
+//! what the request path needs (lower-cased header names, a cluster name per rank, the hasher).
+//!
+//! Every knob has its default written once, here. Errors name the field and the allowed values, so
+//! the single log line Envoy shows on a refused config says what to fix.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use serde::Deserialize;
+
+use crate::hash::KeyedHasher;
+
+/// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
+/// the filter precompute millions of cluster names.
+pub const MAX_DP_SIZE: u32 = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// The JSON shape (what operators write).
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    dp_size: Option<u32>,
+    #[serde(default)]
+    explicit_rank: RawExplicitRank,
+    #[serde(default)]
+    routing_key: RawRoutingKey,
+    #[serde(default)]
+    body: RawBody,
+    #[serde(default)]
+    target: RawTarget,
+    #[serde(default)]
+    learn: RawLearn,
+    #[serde(default = "default_echo_header")]
+    echo_header: String,
+    #[serde(default)]
+    table: RawTable,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawExplicitRank {
+    enabled: bool,
+    header: String,
+    body_fields: Vec<String>,
+    on_invalid: OnInvalid,
+}
+
+impl Default for RawExplicitRank {
+    fn default() -> Self {
+        RawExplicitRank {
+            enabled: true,
+            header: "x-data-parallel-rank".into(),
+            body_fields: vec!["routed_dp_rank".into(), "data_parallel_rank".into()],
+            on_invalid: OnInvalid::Reject,
+        }
+    }
+}
+
+/// What to do with an explicit rank that is present but not a valid rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnInvalid {
+    /// Answer 400 with a JSON error naming the field and the allowed range.
+    Reject,
+    /// Behave as if the field were absent.
+    Ignore,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawRoutingKey {
+    headers: Vec<String>,
+    body_fields: Vec<String>,
+    max_bytes: usize,
+    hash_seed: String,
+}
+
+impl Default for RawRoutingKey {
+    fn default() -> Self {
+        RawRoutingKey {
+            headers: vec!["x-smg-routing-key".into(), "x-routing-key".into()],
+            body_fields: vec![
+                "routing_key".into(),
+                "prompt_cache_key".into(),
+                "user".into(),
+            ],
+            max_bytes: 512,
+            hash_seed: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawBody {
+    max_bytes: usize,
+    content_types: Vec<String>,
+}
+
+impl Default for RawBody {
+    fn default() -> Self {
+        RawBody {
+            max_bytes: 8 * 1024 * 1024,
+            content_types: vec!["application/json".into()],
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTarget {
+    cluster_header: String,
+    cluster_template: String,
+}
+
+impl Default for RawTarget {
+    fn default() -> Self {
+        RawTarget {
+            cluster_header: "x-dp-affinity-cluster".into(),
+            cluster_template: "dp-rank-{rank}".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLearn {
+    response_header: String,
+    upstream_addresses: HashMap<String, u32>,
+}
+
+impl Default for RawLearn {
+    fn default() -> Self {
+        RawLearn {
+            response_header: "x-dp-rank".into(),
+            upstream_addresses: HashMap::new(),
+        }
+    }
+}
+
+fn default_echo_header() -> String {
+    "x-dp-rank".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTable {
+    buckets: u32,
+    ways: u32,
+    ttl_seconds: u32,
+    refresh_seconds: u32,
+    cas_retries: u32,
+    namespace: String,
+}
+
+impl Default for RawTable {
+    fn default() -> Self {
+        // 65,536 buckets x 16 ways = 1,048,576 entries of 16 bytes: 16 MiB of values.
+        RawTable {
+            buckets: 65_536,
+            ways: 16,
+            ttl_seconds: 3600,
+            refresh_seconds: 1,
+            cas_retries: 8,
+            namespace: "dp_affinity".into(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The compiled configuration (what the request path reads).
+// ---------------------------------------------------------------------------------------------
+
+/// A validated configuration, precomputed for the request path.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub dp_size: u32,
+    pub explicit: ExplicitRankConfig,
+    pub key: RoutingKeyConfig,
+    pub body: BodyConfig,
+    /// Internal request header carrying the chosen cluster (lower-case).
+    pub cluster_header: String,
+    /// `cluster_names[rank]` is the header value for that rank.
+    pub cluster_names: Vec<String>,
+    pub learn: LearnConfig,
+    /// Response header echoing the rank that served (lower-case); `None` = off.
+    pub echo_header: Option<String>,
+    pub table: TableConfig,
+}
+
+#[derive(Debug, Clone)]
+pub struct ExplicitRankConfig {
+    pub enabled: bool,
+    /// Lower-case header name.
+    pub header: String,
+    pub body_fields: Vec<String>,
+    pub on_invalid: OnInvalid,
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutingKeyConfig {
+    /// Lower-case header names, in priority order.
+    pub headers: Vec<String>,
+    pub body_fields: Vec<String>,
+    pub max_bytes: usize,
+    pub hasher: KeyedHasher,
+}
+
+#[derive(Debug, Clone)]
+pub struct BodyConfig {
+    pub max_bytes: usize,
+    /// Lower-case media types (`type/subtype`, no parameters).
+    pub content_types: Vec<String>,
+    /// Every body field the scanner looks for: explicit-rank fields first, then key fields.
+    pub wanted_fields: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LearnConfig {
+    /// Lower-case response header reporting the serving rank; `None` = do not read it.
+    pub response_header: Option<String>,
+    pub upstream_addresses: HashMap<String, u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TableConfig {
+    pub buckets: u32,
+    pub ways: u32,
+    pub ttl_seconds: u32,
+    pub refresh_seconds: u32,
+    pub cas_retries: u32,
+    pub namespace: String,
+}
+
+/// A configuration error naming the offending field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid plugin configuration: {}: {}",
+            self.field, self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration bytes.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            // The path names the field ("table.ways"); serde's message says what was expected.
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "configuration".to_string()
+            } else {
+                path
+            };
+            err(&field, e.into_inner().to_string())
+        })?;
+        de.end()
+            .map_err(|e| err("configuration", format!("trailing data: {e}")))?;
+        compile(raw)
+    }
+}
+
+fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+    let dp_size = raw
+        .dp_size
+        .ok_or_else(|| err("dp_size", "is required (number of data-parallel ranks)"))?;
+    if dp_size == 0 || dp_size > MAX_DP_SIZE {
+        return Err(err(
+            "dp_size",
+            format!("must be in 1..={MAX_DP_SIZE}, got {dp_size}"),
+        ));
+    }
+    let explicit = compile_explicit(raw.explicit_rank)?;
+    let key = compile_key(raw.routing_key)?;
+    let body = compile_body(raw.body, &explicit, &key)?;
+    let (cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
+    let learn = compile_learn(raw.learn, dp_size)?;
+    let echo_header = optional_header("echo_header", &raw.echo_header)?;
+    let table = compile_table(raw.table)?;
+    Ok(Config {
+        dp_size,
+        explicit,
+        key,
+        body,
+        cluster_header,
+        cluster_names,
+        learn,
+        echo_header,
+        table,
+    })
+}
+
+fn compile_explicit(raw: RawExplicitRank) -> Result<ExplicitRankConfig, ConfigError> {
+    Ok(ExplicitRankConfig {
+        enabled: raw.enabled,
+        header: header_name("explicit_rank.header", &raw.header)?,
+        body_fields: field_names("explicit_rank.body_fields", raw.body_fields)?,
+        on_invalid: raw.on_invalid,
+    })
+}
+
+fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
+    let headers = raw
+        .headers
+        .iter()
+        .map(|h| header_name("routing_key.headers", h))
+        .collect::<Result<Vec<_>, _>>()?;
+    if raw.max_bytes == 0 {
+        return Err(err("routing_key.max_bytes", "must be at least 1"));
+    }
+    Ok(RoutingKeyConfig {
+        headers,
+        body_fields: field_names("routing_key.body_fields", raw.body_fields)?,
+        max_bytes: raw.max_bytes,
+        hasher: KeyedHasher::from_seed(raw.hash_seed.as_bytes()),
+    })
+}
+
+fn compile_body(
+    raw: RawBody,
+    explicit: &ExplicitRankConfig,
+    key: &RoutingKeyConfig,
+) -> Result<BodyConfig, ConfigError> {
+    if raw.max_bytes == 0 {
+        return Err(err("body.max_bytes", "must be at least 1"));
+    }
+    let mut content_types = Vec::new();
+    for ct in &raw.content_types {
+        let t = ct.trim().to_ascii_lowercase();
+        if t.is_empty() || !t.contains('/') || t.contains(';') {
+            return Err(err(
+                "body.content_types",
+                format!("{ct:?} is not a media type like \"application/json\""),
+            ));
+        }
+        content_types.push(t);
+    }
+    if let Some(dup) = explicit
+        .body_fields
+        .iter()
+        .find(|f| key.body_fields.contains(f))
+    {
+        return Err(err(
+            "routing_key.body_fields",
+            format!("{dup:?} is also an explicit_rank body field"),
+        ));
+    }
+    let mut wanted_fields = Vec::new();
+    if explicit.enabled {
+        wanted_fields.extend(explicit.body_fields.iter().cloned());
+    }
+    wanted_fields.extend(key.body_fields.iter().cloned());
+    Ok(BodyConfig {
+        max_bytes: raw.max_bytes,
+        content_types,
+        wanted_fields,
+    })
+}
+
+fn compile_target(raw: RawTarget, dp_size: u32) -> Result<(String, Vec<String>), ConfigError> {
+    let header = header_name("target.cluster_header", &raw.cluster_header)?;
+    if !raw.cluster_template.contains("{rank}") {
+        return Err(err(
+            "target.cluster_template",
+            format!("must contain \"{{rank}}\", got {:?}", raw.cluster_template),
+        ));
+    }
+    let names: Vec<String> = (0..dp_size)
+        .map(|r| raw.cluster_template.replace("{rank}", &r.to_string()))
+        .collect();
+    if let Some(bad) = names.iter().find(|n| !is_header_value_safe(n)) {
+        return Err(err(
+            "target.cluster_template",
+            format!("gives {bad:?}, which is not a valid header value"),
+        ));
+    }
+    Ok((header, names))
+}
+
+fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
+    for (addr, &rank) in &raw.upstream_addresses {
+        if rank >= dp_size {
+            return Err(err(
+                "learn.upstream_addresses",
+                format!("{addr:?} maps to rank {rank}, allowed 0..{dp_size}"),
+            ));
+        }
+    }
+    Ok(LearnConfig {
+        response_header: optional_header("learn.response_header", &raw.response_header)?,
+        upstream_addresses: raw.upstream_addresses,
+    })
+}
+
+fn compile_table(raw: RawTable) -> Result<TableConfig, ConfigError> {
+    if raw.buckets == 0 || raw.buckets > 1 << 24 {
+        return Err(err("table.buckets", "must be in 1..=16777216"));
+    }
+    if raw.ways == 0 || raw.ways > 64 {
+        return Err(err("table.ways", "must be in 1..=64"));
+    }
+    if raw.ttl_seconds == 0 {
+        return Err(err("table.ttl_seconds", "must be at least 1"));
+    }
+    if raw.cas_retries > 100 {
+        return Err(err("table.cas_retries", "must be in 0..=100"));
+    }
+    if raw.namespace.is_empty() || !raw.namespace.bytes().all(|c| c.is_ascii_graphic()) {
+        return Err(err(
+            "table.namespace",
+            "must be non-empty printable ASCII without spaces",
+        ));
+    }
+    Ok(TableConfig {
+        buckets: raw.buckets,
+        ways: raw.ways,
+        ttl_seconds: raw.ttl_seconds,
+        refresh_seconds: raw.refresh_seconds,
+        cas_retries: raw.cas_retries,
+        namespace: raw.namespace,
+    })
+}
+
+/// Lower-cases and checks a required header name (RFC 9110 token characters).
+fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
+    let lower = name.trim().to_ascii_lowercase();
+    let is_tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c);
+    if lower.is_empty() || !lower.bytes().all(is_tchar) {
+        return Err(err(
+            field,
+            format!("{name:?} is not a valid HTTP header name"),
+        ));
+    }
+    Ok(lower)
+}
+
+/// Like `header_name`, but an empty string switches the feature off.
+fn optional_header(field: &str, name: &str) -> Result<Option<String>, ConfigError> {
+    if name.is_empty() {
+        Ok(None)
+    } else {
+        header_name(field, name).map(Some)
+    }
+}
+
+fn field_names(field: &str, names: Vec<String>) -> Result<Vec<String>, ConfigError> {
+    if names.iter().any(|n| n.is_empty()) {
+        return Err(err(field, "field names must be non-empty"));
+    }
+    Ok(names)
+}
+
+fn is_header_value_safe(v: &str) -> bool {
+    !v.is_empty() && v.bytes().all(|c| (0x21..0x7f).contains(&c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<Config, ConfigError> {
+        Config::from_json(json.as_bytes())
+    }
+
+    #[test]
+    fn defaults_from_minimal_config() {
+        let c = parse(r#"{"dp_size": 4}"#).unwrap();
+        assert_eq!(c.dp_size, 4);
+        assert!(c.explicit.enabled);
+        assert_eq!(c.explicit.header, "x-data-parallel-rank");
+        assert_eq!(c.explicit.on_invalid, OnInvalid::Reject);
+        assert_eq!(c.key.headers, ["x-smg-routing-key", "x-routing-key"]);
+        assert_eq!(c.key.max_bytes, 512);
+        assert_eq!(c.body.max_bytes, 8 << 20);
+        assert_eq!(
+            c.body.wanted_fields,
+            [
+                "routed_dp_rank",
+                "data_parallel_rank",
+                "routing_key",
+                "prompt_cache_key",
+                "user"
+            ]
+        );
+        assert_eq!(c.cluster_header, "x-dp-affinity-cluster");
+        assert_eq!(
+            c.cluster_names,
+            ["dp-rank-0", "dp-rank-1", "dp-rank-2", "dp-rank-3"]
+        );
+        assert_eq!(c.learn.response_header.as_deref(), Some("x-dp-rank"));
+        assert_eq!(c.echo_header.as_deref(), Some("x-dp-rank"));
+        assert_eq!((c.table.buckets, c.table.ways), (65_536, 16));
+        assert_eq!(c.table.ttl_seconds, 3600);
+    }
+
+    #[test]
+    fn header_names_are_lower_cased_and_off_switches_work() {
+        let c = parse(
+            r#"{"dp_size":2,"routing_key":{"headers":["X-Session-ID"]},"echo_header":"",
+                "learn":{"response_header":""},"explicit_rank":{"enabled":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.key.headers, ["x-session-id"]);
+        assert_eq!(c.echo_header, None);
+        assert_eq!(c.learn.response_header, None);
+        assert_eq!(
+            c.body.wanted_fields,
+            ["routing_key", "prompt_cache_key", "user"]
+        );
+    }
+
+    #[test]
+    fn bad_configs_name_their_field() {
+        let cases = [
+            (r#"{}"#, "dp_size"),
+            (r#"{"dp_size":0}"#, "dp_size"),
+            (r#"{"dp_size":5000}"#, "dp_size"),
+            (r#"{"dp_size":-1}"#, "dp_size"),
+            (r#"{"dp_size":4,"bogus":1}"#, "bogus"),
+            (r#"{"dp_size":4,"table":{"buckets":0}}"#, "table.buckets"),
+            (r#"{"dp_size":4,"table":{"ways":65}}"#, "table.ways"),
+            (
+                r#"{"dp_size":4,"table":{"ttl_seconds":0}}"#,
+                "table.ttl_seconds",
+            ),
+            (
+                r#"{"dp_size":4,"table":{"namespace":"a b"}}"#,
+                "table.namespace",
+            ),
+            (r#"{"dp_size":4,"table":{"wayz":2}}"#, "wayz"),
+            (
+                r#"{"dp_size":4,"target":{"cluster_template":"rank"}}"#,
+                "cluster_template",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"cluster_header":"bad header"}}"#,
+                "cluster_header",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"on_invalid":"drop"}}"#,
+                "drop",
+            ),
+            (
+                r#"{"dp_size":4,"routing_key":{"max_bytes":0}}"#,
+                "routing_key.max_bytes",
+            ),
+            (
+                r#"{"dp_size":4,"routing_key":{"body_fields":["routed_dp_rank"]}}"#,
+                "routing_key.body_fields",
+            ),
+            (
+                r#"{"dp_size":4,"body":{"content_types":["json"]}}"#,
+                "body.content_types",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"1.2.3.4:80":4}}}"#,
+                "learn.upstream_addresses",
+            ),
+            (r#"not json"#, "configuration"),
+        ];
+        for (json, needle) in cases {
+            let e = parse(json).expect_err(json);
+            let text = e.to_string();
+            assert!(text.contains(needle), "{json}: {text}");
+        }
+    }
+}

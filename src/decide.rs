@@ -1,0 +1,346 @@
+//! The decision order, as values: explicit rank, then routing key, then the fallback.
+//!
+//! The host layer feeds facts in and turns the returned `Decision` into header changes and local
+//! replies; nothing here performs an action.
+
+use crate::config::{Config, OnInvalid};
+use crate::extract::{rank_from_header, scan_body, HeaderFacts, RankError};
+use crate::table::{AffinityTable, Lookup, Store};
+
+/// Why a request went where it went. Each maps to one counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The client named a valid rank.
+    Explicit,
+    /// The routing key was pinned to a usable rank.
+    AffinityHit,
+    /// The routing key was not pinned: Envoy balances, the filter learns.
+    AffinityMiss,
+    /// No routing key anywhere.
+    NoKey,
+    /// The body was larger than `body.max_bytes`, so body fields were not read.
+    BodyTooLarge,
+    /// The body claimed to be JSON and was not.
+    BodyMalformed,
+}
+
+/// A 400 answer built by the filter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub status: u32,
+    pub body: String,
+}
+
+/// What the request-side decision produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Send to this rank (explicit).
+    Rank(u32),
+    /// A routing key: look it up in the table (see [`resolve_key`]).
+    Key { hash: u64, too_long: bool },
+    /// Let Envoy balance; nothing to learn.
+    Fallback(Reason),
+    /// Answer the client directly.
+    Reject(Rejection),
+}
+
+/// Decision after the headers, or a request to read the body first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderStep {
+    Decided(Decision),
+    ReadBody,
+}
+
+/// Decides from the headers alone when possible.
+///
+/// A routing-key header settles the request here: requests carrying one are never buffered, so a
+/// body rank field is not consulted for them (send the rank as a header in that case).
+pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) -> HeaderStep {
+    if cfg.explicit.enabled {
+        if let Some(value) = h.explicit {
+            let parsed = if h.explicit_conflict {
+                Err(RankError {
+                    field: cfg.explicit.header.clone(),
+                    problem: "was sent several times with different values".into(),
+                })
+            } else {
+                rank_from_header(cfg, value)
+            };
+            match parsed {
+                Ok(rank) => return HeaderStep::Decided(Decision::Rank(rank)),
+                Err(e) if cfg.explicit.on_invalid == OnInvalid::Reject => {
+                    return HeaderStep::Decided(Decision::Reject(reject(cfg, &e)));
+                }
+                Err(_) => {} // ignored: as if absent
+            }
+        }
+    }
+    if let Some((_, key)) = h.key {
+        return HeaderStep::Decided(key_decision(cfg, key));
+    }
+    if end_of_stream || cfg.body.wanted_fields.is_empty() || !h.is_json(cfg) {
+        return HeaderStep::Decided(Decision::Fallback(Reason::NoKey));
+    }
+    if h.declared_length()
+        .is_some_and(|n| n > cfg.body.max_bytes as u64)
+    {
+        return HeaderStep::Decided(Decision::Fallback(Reason::BodyTooLarge));
+    }
+    HeaderStep::ReadBody
+}
+
+/// Decides from a complete JSON body (only called after `ReadBody`).
+pub fn decide_body(cfg: &Config, body: &[u8]) -> Decision {
+    if body.len() > cfg.body.max_bytes {
+        return Decision::Fallback(Reason::BodyTooLarge);
+    }
+    let facts = match scan_body(cfg, body) {
+        Ok(f) => f,
+        Err(_) => return Decision::Fallback(Reason::BodyMalformed),
+    };
+    match facts.rank {
+        Some(Ok(rank)) => return Decision::Rank(rank),
+        Some(Err(e)) if cfg.explicit.on_invalid == OnInvalid::Reject => {
+            return Decision::Reject(reject(cfg, &e));
+        }
+        _ => {}
+    }
+    match facts.key {
+        Some(key) => key_decision(cfg, &key),
+        None => Decision::Fallback(Reason::NoKey),
+    }
+}
+
+fn key_decision(cfg: &Config, key: &[u8]) -> Decision {
+    Decision::Key {
+        hash: cfg.key.hasher.hash(key),
+        too_long: key.len() > cfg.key.max_bytes,
+    }
+}
+
+/// Resolves a routing key against the affinity table.
+pub fn resolve_key(
+    cfg: &Config,
+    table: &AffinityTable,
+    store: &dyn Store,
+    hash: u64,
+    now: u32,
+) -> Option<u32> {
+    match table.lookup(store, hash, now, cfg.dp_size) {
+        Lookup::Hit { rank } => Some(rank),
+        Lookup::Miss => None,
+    }
+}
+
+/// Builds the 400 answer for an invalid explicit rank, in OpenAI's error shape.
+pub fn reject(cfg: &Config, e: &RankError) -> Rejection {
+    let message = format!(
+        "{} must be an integer in 0..={} (dp_size {}); {}",
+        e.field,
+        cfg.dp_size - 1,
+        cfg.dp_size,
+        e.problem
+    );
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": e.field,
+            "code": "invalid_data_parallel_rank",
+        }
+    });
+    Rejection {
+        status: 400,
+        body: body.to_string(),
+    }
+}
+
+/// Parses a rank reported by an upstream (response header): a plain integer in range.
+pub fn rank_from_upstream(cfg: &Config, value: &[u8]) -> Option<u32> {
+    let n = crate::extract::parse_u64(crate::extract::trim_ows(value))?;
+    (n < u64::from(cfg.dp_size)).then_some(n as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::tests::MemStore;
+
+    fn cfg(extra: &str) -> Config {
+        Config::from_json(format!(r#"{{"dp_size":4{extra}}}"#).as_bytes()).unwrap()
+    }
+
+    fn headers<'a>(c: &Config, h: &'a [(&'a str, &'a str)]) -> HeaderFacts<'a> {
+        HeaderFacts::collect(c, h.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())))
+    }
+
+    const JSON: (&str, &str) = ("content-type", "application/json");
+
+    #[test]
+    fn explicit_header_wins_over_key() {
+        let c = cfg("");
+        let h = headers(
+            &c,
+            &[("x-data-parallel-rank", "2"), ("x-smg-routing-key", "k")],
+        );
+        assert_eq!(
+            decide_headers(&c, &h, false),
+            HeaderStep::Decided(Decision::Rank(2))
+        );
+    }
+
+    #[test]
+    fn invalid_explicit_header_rejects_or_is_ignored() {
+        let c = cfg("");
+        let h = headers(
+            &c,
+            &[("x-data-parallel-rank", "7"), ("x-smg-routing-key", "k")],
+        );
+        let HeaderStep::Decided(Decision::Reject(r)) = decide_headers(&c, &h, true) else {
+            panic!("expected a rejection");
+        };
+        assert_eq!(r.status, 400);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["error"]["param"], "x-data-parallel-rank");
+        assert!(v["error"]["message"].as_str().unwrap().contains("0..=3"));
+
+        let c = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
+        let h = headers(
+            &c,
+            &[("x-data-parallel-rank", "7"), ("x-smg-routing-key", "k")],
+        );
+        assert!(matches!(
+            decide_headers(&c, &h, true),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+    }
+
+    #[test]
+    fn conflicting_explicit_headers_reject() {
+        let c = cfg("");
+        let h = headers(
+            &c,
+            &[("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "2")],
+        );
+        assert!(matches!(
+            decide_headers(&c, &h, true),
+            HeaderStep::Decided(Decision::Reject(_))
+        ));
+        let same = headers(
+            &c,
+            &[("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "1")],
+        );
+        assert_eq!(
+            decide_headers(&c, &same, true),
+            HeaderStep::Decided(Decision::Rank(1))
+        );
+    }
+
+    #[test]
+    fn disabled_explicit_rank_is_ignored() {
+        let c = cfg(r#","explicit_rank":{"enabled":false}"#);
+        let h = headers(&c, &[("x-data-parallel-rank", "2")]);
+        assert_eq!(
+            decide_headers(&c, &h, true),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey))
+        );
+    }
+
+    #[test]
+    fn body_is_read_only_when_needed() {
+        let c = cfg("");
+        let key_hdr = headers(&c, &[JSON, ("x-routing-key", "k")]);
+        assert!(matches!(
+            decide_headers(&c, &key_hdr, false),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+        let json = headers(&c, &[JSON]);
+        assert_eq!(decide_headers(&c, &json, false), HeaderStep::ReadBody);
+        assert_eq!(
+            decide_headers(&c, &json, true),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey)),
+            "no body to read"
+        );
+        let text = headers(&c, &[("content-type", "text/plain")]);
+        assert_eq!(
+            decide_headers(&c, &text, false),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey))
+        );
+        let big = headers(&c, &[JSON, ("content-length", "8388609")]);
+        assert_eq!(
+            decide_headers(&c, &big, false),
+            HeaderStep::Decided(Decision::Fallback(Reason::BodyTooLarge))
+        );
+        let no_fields =
+            cfg(r#","explicit_rank":{"body_fields":[]},"routing_key":{"body_fields":[]}"#);
+        let json = headers(&no_fields, &[JSON]);
+        assert_eq!(
+            decide_headers(&no_fields, &json, false),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey))
+        );
+    }
+
+    #[test]
+    fn body_decisions() {
+        let c = cfg("");
+        assert_eq!(
+            decide_body(&c, br#"{"routed_dp_rank":3,"routing_key":"k"}"#),
+            Decision::Rank(3)
+        );
+        assert!(matches!(
+            decide_body(&c, br#"{"routed_dp_rank":4}"#),
+            Decision::Reject(_)
+        ));
+        assert_eq!(
+            decide_body(&c, br#"{"model":"m"}"#),
+            Decision::Fallback(Reason::NoKey)
+        );
+        assert_eq!(
+            decide_body(&c, br#"{"model":"#),
+            Decision::Fallback(Reason::BodyMalformed)
+        );
+        let header_key = decide_body(&c, br#"{"routing_key":"abc"}"#);
+        assert_eq!(
+            header_key,
+            Decision::Key {
+                hash: c.key.hasher.hash(b"abc"),
+                too_long: false
+            },
+            "body and header keys hash alike"
+        );
+        let long = format!(r#"{{"user":"{}"}}"#, "x".repeat(600));
+        assert!(matches!(
+            decide_body(&c, long.as_bytes()),
+            Decision::Key { too_long: true, .. }
+        ));
+        let small = cfg(r#","body":{"max_bytes":10}"#);
+        assert_eq!(
+            decide_body(&small, br#"{"routing_key":"abc"}"#),
+            Decision::Fallback(Reason::BodyTooLarge)
+        );
+        let ignore = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
+        assert!(matches!(
+            decide_body(&ignore, br#"{"routed_dp_rank":"x","routing_key":"k"}"#),
+            Decision::Key { .. }
+        ));
+    }
+
+    #[test]
+    fn resolve_key_uses_the_table() {
+        let c = cfg(r#","table":{"buckets":8,"ways":2}"#);
+        let t = AffinityTable::new(c.table.clone());
+        let s = MemStore::default();
+        let h = c.key.hasher.hash(b"conv-1");
+        assert_eq!(resolve_key(&c, &t, &s, h, 100), None);
+        t.pin(&s, h, 2, 100);
+        assert_eq!(resolve_key(&c, &t, &s, h, 101), Some(2));
+    }
+
+    #[test]
+    fn upstream_rank_parsing() {
+        let c = cfg("");
+        assert_eq!(rank_from_upstream(&c, b"3"), Some(3));
+        assert_eq!(rank_from_upstream(&c, b"4"), None);
+        assert_eq!(rank_from_upstream(&c, b"x"), None);
+    }
+}

@@ -1,0 +1,364 @@
+//! Pulling the routing inputs out of a request: the explicit rank and the routing key, from
+//! headers (one pass over the header list) and from the JSON body (one pass of the scanner).
+//!
+//! Nothing here touches the host: headers arrive as `(name, value)` byte pairs, the body as bytes.
+
+use std::borrow::Cow;
+
+use crate::config::Config;
+use crate::json_scan::{scan_top_level, ScanError, Value};
+
+/// Where an explicit rank came from, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankError {
+    /// The header or body field at fault.
+    pub field: String,
+    /// What was wrong, in words a client developer understands.
+    pub problem: String,
+}
+
+/// The request headers the filter cares about, collected in one pass.
+#[derive(Debug, Default)]
+pub struct HeaderFacts<'a> {
+    /// First value of the explicit-rank header, and whether a later copy disagreed.
+    pub explicit: Option<&'a [u8]>,
+    pub explicit_conflict: bool,
+    /// The routing key from the highest-priority key header present (non-empty): (priority, value).
+    pub key: Option<(usize, &'a [u8])>,
+    pub content_type: Option<&'a [u8]>,
+    pub content_length: Option<&'a [u8]>,
+    /// A client sent the internal cluster header (always stripped).
+    pub has_cluster_header: bool,
+}
+
+impl<'a> HeaderFacts<'a> {
+    /// Collects the facts from the request headers. Header names from Envoy are lower-case already;
+    /// comparing case-insensitively costs nothing and keeps other hosts honest.
+    pub fn collect(cfg: &Config, headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Self {
+        let mut f = HeaderFacts::default();
+        for (name, value) in headers {
+            if name.eq_ignore_ascii_case(cfg.explicit.header.as_bytes()) {
+                match f.explicit {
+                    None => f.explicit = Some(value),
+                    Some(first) if first != value => f.explicit_conflict = true,
+                    Some(_) => {}
+                }
+            } else if name.eq_ignore_ascii_case(cfg.cluster_header.as_bytes()) {
+                f.has_cluster_header = true;
+            } else if name.eq_ignore_ascii_case(b"content-type") {
+                f.content_type = Some(value);
+            } else if name.eq_ignore_ascii_case(b"content-length") {
+                f.content_length = Some(value);
+            } else if let Some(prio) = cfg
+                .key
+                .headers
+                .iter()
+                .position(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+            {
+                let better = f.key.is_none_or(|(p, _)| prio < p);
+                if better && !trim_ows(value).is_empty() {
+                    f.key = Some((prio, trim_ows(value)));
+                }
+            }
+        }
+        f
+    }
+
+    /// Whether the body is JSON by the configured content types.
+    pub fn is_json(&self, cfg: &Config) -> bool {
+        let Some(ct) = self.content_type else {
+            return false;
+        };
+        let media = ct.split(|&c| c == b';').next().unwrap_or(ct);
+        let media = trim_ows(media);
+        cfg.body
+            .content_types
+            .iter()
+            .any(|t| media.eq_ignore_ascii_case(t.as_bytes()))
+    }
+
+    /// The declared body length, when present and a plain number.
+    pub fn declared_length(&self) -> Option<u64> {
+        parse_u64(trim_ows(self.content_length?))
+    }
+}
+
+/// Trims HTTP optional whitespace (space and tab) from both ends.
+pub fn trim_ows(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|&c| c != b' ' && c != b'\t')
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|&c| c != b' ' && c != b'\t')
+        .map_or(start, |e| e + 1);
+    &v[start..end]
+}
+
+/// Parses ASCII digits into a u64; `None` on anything else or on overflow.
+pub fn parse_u64(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() {
+        return None;
+    }
+    let mut n: u64 = 0;
+    for &c in digits {
+        if !c.is_ascii_digit() {
+            return None;
+        }
+        n = n.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
+    }
+    Some(n)
+}
+
+/// Parses an explicit rank from a header value.
+pub fn rank_from_header(cfg: &Config, value: &[u8]) -> Result<u32, RankError> {
+    let v = trim_ows(value);
+    match parse_u64(v) {
+        Some(n) if n < u64::from(cfg.dp_size) => Ok(n as u32),
+        _ => Err(RankError {
+            field: cfg.explicit.header.clone(),
+            problem: format!("got {}", quote_for_message(v)),
+        }),
+    }
+}
+
+/// Parses an explicit rank from a JSON body value. `Ok(None)` means "absent" (JSON null).
+pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option<u32>, RankError> {
+    let bad = |problem: String| RankError {
+        field: field.to_string(),
+        problem,
+    };
+    match v {
+        Value::Null => Ok(None),
+        Value::Number(raw) => match parse_u64(raw) {
+            Some(n) if n < u64::from(cfg.dp_size) => Ok(Some(n as u32)),
+            _ => Err(bad(format!("got {}", String::from_utf8_lossy(raw)))),
+        },
+        Value::Str(s) => Err(bad(format!("got the string {}", quote_for_message(s)))),
+        other => Err(bad(format!("got a {}", other.type_name()))),
+    }
+}
+
+/// A client-supplied value, quoted and cut short for an error message (never echo a megabyte).
+fn quote_for_message(v: &[u8]) -> String {
+    const MAX: usize = 64;
+    let shown = String::from_utf8_lossy(&v[..v.len().min(MAX)]).into_owned();
+    let ellipsis = if v.len() > MAX { "..." } else { "" };
+    format!("{shown:?}{ellipsis}")
+}
+
+/// What the body told us.
+#[derive(Debug, Default, PartialEq)]
+pub struct BodyFacts<'a> {
+    /// The explicit rank from the body, if any valid one (or the error to report).
+    pub rank: Option<Result<u32, RankError>>,
+    /// The routing key from the highest-priority key field holding a non-empty string.
+    pub key: Option<Cow<'a, [u8]>>,
+}
+
+/// Scans a JSON body for the configured explicit-rank and routing-key fields.
+///
+/// Rank fields: every occurrence counts; values that disagree (between `routed_dp_rank` and
+/// `data_parallel_rank`, or a duplicated member) are an error, because guessing would route
+/// somewhere the client did not ask for. Key fields: list order decides between fields; within
+/// one field the last occurrence wins, as in Python's and serde's JSON parsers.
+pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, ScanError> {
+    let wanted: Vec<&str> = cfg.body.wanted_fields.iter().map(String::as_str).collect();
+    let n_rank = if cfg.explicit.enabled {
+        cfg.explicit.body_fields.len()
+    } else {
+        0
+    };
+    let mut rank: Option<Result<(u32, usize), RankError>> = None;
+    let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; wanted.len() - n_rank];
+    scan_top_level(body, &wanted, |idx, value| {
+        if idx < n_rank {
+            rank = merge_rank(cfg, rank.take(), &wanted, idx, &value);
+        } else if let Value::Str(s) = value {
+            if !s.is_empty() {
+                keys[idx - n_rank] = Some(s);
+            }
+        }
+    })?;
+    Ok(BodyFacts {
+        rank: rank.map(|r| r.map(|(n, _)| n)),
+        key: keys.into_iter().flatten().next(),
+    })
+}
+
+/// Folds one more rank occurrence into what was seen so far. The first error sticks.
+fn merge_rank(
+    cfg: &Config,
+    seen: Option<Result<(u32, usize), RankError>>,
+    wanted: &[&str],
+    idx: usize,
+    value: &Value<'_>,
+) -> Option<Result<(u32, usize), RankError>> {
+    let field = wanted[idx];
+    let this = match rank_from_json(cfg, field, value) {
+        Ok(None) => return seen,
+        Ok(Some(n)) => n,
+        Err(e) => return Some(seen.map_or(Err(e.clone()), |s| s.and(Err(e)))),
+    };
+    match seen {
+        None => Some(Ok((this, idx))),
+        Some(Ok((prev, prev_idx))) if prev != this => Some(Err(RankError {
+            field: field.to_string(),
+            problem: format!("conflicts with {} = {prev}: got {this}", wanted[prev_idx]),
+        })),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::from_json(br#"{"dp_size":4}"#).unwrap()
+    }
+
+    fn facts<'a>(cfg: &Config, h: &'a [(&'a str, &'a str)]) -> HeaderFacts<'a> {
+        HeaderFacts::collect(cfg, h.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())))
+    }
+
+    #[test]
+    fn header_facts_pick_priority_key_and_flag_conflicts() {
+        let c = cfg();
+        let f = facts(
+            &c,
+            &[
+                ("x-routing-key", "low"),
+                ("X-SMG-Routing-Key", " high "),
+                ("x-data-parallel-rank", "1"),
+                ("x-data-parallel-rank", "2"),
+                ("x-dp-affinity-cluster", "dp-rank-3"),
+                ("content-type", "Application/JSON; charset=utf-8"),
+                ("content-length", "12"),
+            ],
+        );
+        assert_eq!(f.key, Some((0, &b"high"[..])));
+        assert_eq!(f.explicit, Some(&b"1"[..]));
+        assert!(f.explicit_conflict);
+        assert!(f.has_cluster_header);
+        assert!(f.is_json(&c));
+        assert_eq!(f.declared_length(), Some(12));
+    }
+
+    #[test]
+    fn empty_key_header_is_absent_and_next_one_counts() {
+        let c = cfg();
+        let f = facts(&c, &[("x-smg-routing-key", "  "), ("x-routing-key", "k")]);
+        assert_eq!(f.key, Some((1, &b"k"[..])));
+        assert!(!f.is_json(&c));
+        let f = facts(&c, &[("content-type", "text/plain")]);
+        assert!(!f.is_json(&c));
+    }
+
+    #[test]
+    fn header_rank_parsing() {
+        let c = cfg();
+        assert_eq!(rank_from_header(&c, b"0"), Ok(0));
+        assert_eq!(rank_from_header(&c, b" 3 "), Ok(3));
+        for bad in [
+            "4",
+            "-1",
+            "abc",
+            "1.5",
+            "",
+            "+1",
+            "0x1",
+            "99999999999999999999999",
+        ] {
+            let e = rank_from_header(&c, bad.as_bytes()).unwrap_err();
+            assert_eq!(e.field, "x-data-parallel-rank", "{bad}");
+        }
+        let long = vec![b'9'; 1000];
+        let e = rank_from_header(&c, &long).unwrap_err();
+        assert!(e.problem.len() < 100, "message stays short: {}", e.problem);
+    }
+
+    fn body(c: &Config, json: &'static str) -> BodyFacts<'static> {
+        scan_body(c, json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn body_rank_and_key() {
+        let c = cfg();
+        let b = body(
+            &c,
+            r#"{"routed_dp_rank":2,"user":"u","prompt_cache_key":"p"}"#,
+        );
+        assert_eq!(b.rank, Some(Ok(2)));
+        assert_eq!(
+            b.key.as_deref(),
+            Some(&b"p"[..]),
+            "list order, not document order"
+        );
+        let b = body(
+            &c,
+            r#"{"data_parallel_rank":null,"routing_key":"","user":"u"}"#,
+        );
+        assert_eq!(b.rank, None);
+        assert_eq!(b.key.as_deref(), Some(&b"u"[..]));
+        let b = body(&c, r#"{"routing_key":"a","routing_key":"b"}"#);
+        assert_eq!(b.key.as_deref(), Some(&b"b"[..]), "last duplicate wins");
+        let b = body(&c, r#"{"routing_key":5,"user":{"id":"x"}}"#);
+        assert_eq!(b.key, None, "non-string keys are ignored");
+    }
+
+    #[test]
+    fn body_rank_errors() {
+        let c = cfg();
+        let cases = [
+            (r#"{"routed_dp_rank":4}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":-1}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":1.5}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":1.0}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":1e400}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":"2"}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":true}"#, "routed_dp_rank"),
+            (r#"{"routed_dp_rank":[1]}"#, "routed_dp_rank"),
+            (
+                r#"{"data_parallel_rank":99999999999999999999999}"#,
+                "data_parallel_rank",
+            ),
+            (
+                r#"{"routed_dp_rank":1,"data_parallel_rank":2}"#,
+                "data_parallel_rank",
+            ),
+            (
+                r#"{"routed_dp_rank":1,"routed_dp_rank":2}"#,
+                "routed_dp_rank",
+            ),
+            (
+                r#"{"routed_dp_rank":"x","routed_dp_rank":2}"#,
+                "routed_dp_rank",
+            ),
+        ];
+        for (json, field) in cases {
+            match body(&c, json).rank {
+                Some(Err(e)) => assert_eq!(e.field, field, "{json}"),
+                other => panic!("{json}: {other:?}"),
+            }
+        }
+        let agree = body(&c, r#"{"routed_dp_rank":1,"data_parallel_rank":1}"#);
+        assert_eq!(agree.rank, Some(Ok(1)));
+    }
+
+    #[test]
+    fn disabled_explicit_rank_ignores_body_fields() {
+        let c = Config::from_json(br#"{"dp_size":4,"explicit_rank":{"enabled":false}}"#).unwrap();
+        let b = body(&c, r#"{"routed_dp_rank":9,"routing_key":"k"}"#);
+        assert_eq!(b.rank, None);
+        assert_eq!(b.key.as_deref(), Some(&b"k"[..]));
+    }
+
+    #[test]
+    fn malformed_body_is_an_error() {
+        let c = cfg();
+        assert!(scan_body(&c, br#"{"routing_key":"k""#).is_err());
+        assert!(scan_body(&c, b"[1]").is_err());
+    }
+}

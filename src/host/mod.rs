@@ -1,0 +1,392 @@
+//! The host layer: the only code that talks to Envoy. It reads headers and bodies, feeds the core,
+//! and turns the core's decisions into header changes, local replies and counter increments.
+
+mod abi;
+
+use std::rc::Rc;
+
+use log::{debug, error, info, warn};
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel};
+
+use crate::config::Config;
+use crate::decide::{decide_body, decide_headers, rank_from_upstream, resolve_key};
+use crate::decide::{Decision, HeaderStep, Reason};
+use crate::extract::{parse_u64, HeaderFacts};
+use crate::metrics::Counter;
+use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
+use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Envoy shared data as the table's store (one per Envoy process, all workers).
+struct SharedData;
+
+impl Store for SharedData {
+    fn get(&self, key: &str) -> Stored {
+        abi::shared_get(key).unwrap_or((None, None))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        abi::shared_set(key, value, cas.unwrap_or(0)).map_err(|e| match e.0 {
+            abi::CAS_MISMATCH => StoreError::CasMismatch,
+            _ => StoreError::Other,
+        })
+    }
+}
+
+/// Counter ids, one per `Counter`, defined once per VM.
+struct Counters([Option<u32>; Counter::ALL.len()]);
+
+impl Counters {
+    fn define() -> Counters {
+        let mut ids = [None; Counter::ALL.len()];
+        for c in Counter::ALL {
+            match abi::define_counter(c.name()) {
+                Ok(id) => ids[c.index()] = Some(id),
+                Err(e) => warn!("cannot define metric {}: status {}", c.name(), e.0),
+            }
+        }
+        Counters(ids)
+    }
+
+    fn add(&self, c: Counter, by: u32) {
+        if let (Some(id), true) = (self.0[c.index()], by > 0) {
+            let _ = abi::increment(id, i64::from(by));
+        }
+    }
+
+    fn add_table_events(&self, ev: TableEvents) {
+        self.add(Counter::Evictions, ev.evictions);
+        self.add(Counter::CasRetries, ev.cas_retries);
+        self.add(Counter::CasExhausted, ev.cas_exhausted);
+    }
+}
+
+/// Everything a request needs, swapped as a whole when a new configuration is accepted.
+struct Runtime {
+    cfg: Config,
+    table: AffinityTable,
+    counters: Rc<Counters>,
+}
+
+#[derive(Default)]
+struct Root {
+    runtime: Option<Rc<Runtime>>,
+    counters: Option<Rc<Counters>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
+        info!("dp-affinity {} starting", env!("CARGO_PKG_VERSION"));
+        true
+    }
+
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let Some(bytes) = self.get_plugin_configuration() else {
+            error!(
+                "invalid plugin configuration: missing (at least {{\"dp_size\": N}} is required)"
+            );
+            return false;
+        };
+        let cfg = match Config::from_json(&bytes) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                // Envoy refuses the filter (or keeps the previous config on reload).
+                error!("{e}");
+                return false;
+            }
+        };
+        let table = AffinityTable::new(cfg.table.clone());
+        let created = table.ensure_buckets(&SharedData);
+        let counters = self
+            .counters
+            .get_or_insert_with(|| Rc::new(Counters::define()))
+            .clone();
+        info!(
+            "dp-affinity configured: dp_size {}, table {}x{} (created {} buckets), ttl {}s",
+            cfg.dp_size, cfg.table.buckets, cfg.table.ways, created, cfg.table.ttl_seconds
+        );
+        self.runtime = Some(Rc::new(Runtime {
+            cfg,
+            table,
+            counters,
+        }));
+        true
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let runtime = self.runtime.clone()?;
+        Some(Box::new(Filter {
+            rt: runtime,
+            id: context_id,
+            awaiting_body: false,
+            body_size: 0,
+            routed: Routed::Unset,
+            responded: false,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Where the request went, remembered for the response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Routed {
+    /// Not decided (still reading the body, or answered locally).
+    Unset,
+    /// The client named the rank.
+    Explicit(u32),
+    /// The key was pinned to this rank.
+    Pinned { hash: u64, rank: u32 },
+    /// The key was not pinned: learn the rank from the response.
+    Learn { hash: u64 },
+    /// No key: Envoy balances, nothing to learn.
+    Balanced,
+}
+
+struct Filter {
+    rt: Rc<Runtime>,
+    id: u32,
+    awaiting_body: bool,
+    body_size: usize,
+    routed: Routed,
+    responded: bool,
+}
+
+impl Context for Filter {}
+
+impl HttpContext for Filter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let headers = match HeaderMap::read(REQUEST_HEADERS) {
+            Ok(h) => h,
+            Err(e) => {
+                warn!("[{}] cannot read request headers: status {}", self.id, e.0);
+                return Action::Continue;
+            }
+        };
+        let cfg = &self.rt.cfg;
+        let facts = HeaderFacts::collect(cfg, headers.pairs());
+        if facts.has_cluster_header {
+            // Only the filter may choose a cluster: drop the client's copy before routing.
+            let _ = abi::remove_header(REQUEST_HEADERS, &cfg.cluster_header);
+            self.rt.counters.add(Counter::ClusterHeaderStripped, 1);
+        }
+        if !cfg.explicit.enabled && facts.explicit.is_some() {
+            // The override is off: the engine behind must not see the client's rank either.
+            let _ = abi::remove_header(REQUEST_HEADERS, &cfg.explicit.header);
+        }
+        match decide_headers(cfg, &facts, end_of_stream) {
+            HeaderStep::ReadBody => {
+                self.awaiting_body = true;
+                Action::Pause
+            }
+            HeaderStep::Decided(d) => self.apply(d, false),
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.awaiting_body {
+            return Action::Continue;
+        }
+        self.body_size = body_size;
+        if body_size > self.rt.cfg.body.max_bytes {
+            self.awaiting_body = false;
+            return self.apply(Decision::Fallback(Reason::BodyTooLarge), true);
+        }
+        if !end_of_stream {
+            return Action::Pause; // buffer until the whole body is here
+        }
+        self.decide_from_body()
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body followed by trailers never sees end_of_stream in the body callback.
+        if self.awaiting_body {
+            return self.decide_from_body();
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.responded = true;
+        if self.routed == Routed::Unset {
+            return Action::Continue; // our own 400, or a request Envoy answered before us
+        }
+        let status = abi::header(RESPONSE_HEADERS, ":status")
+            .ok()
+            .flatten()
+            .and_then(|v| parse_u64(&v))
+            .unwrap_or(0);
+        let served = match self.routed {
+            Routed::Explicit(rank) | Routed::Pinned { rank, .. } => Some(rank),
+            _ => self.learn_rank(),
+        };
+        if status >= 500 || status == 0 {
+            self.on_failure();
+        } else if let Routed::Learn { hash } = self.routed {
+            self.learn(hash, served);
+        }
+        if let (Some(echo), Some(rank)) = (&self.rt.cfg.echo_header, served) {
+            let _ = abi::set_header(RESPONSE_HEADERS, echo, &rank.to_string());
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // No response headers at all: the stream was reset (upstream or client) before any answer.
+        if !self.responded {
+            self.on_failure();
+        }
+    }
+}
+
+impl Filter {
+    fn decide_from_body(&mut self) -> Action {
+        self.awaiting_body = false;
+        match abi::request_body(0, self.body_size) {
+            Ok(body) => {
+                let d = decide_body(&self.rt.cfg, &body);
+                self.apply(d, true)
+            }
+            Err(e) => {
+                warn!("[{}] cannot read request body: status {}", self.id, e.0);
+                self.apply(Decision::Fallback(Reason::NoKey), true)
+            }
+        }
+    }
+
+    /// Carries out a decision. `from_body`: the headers were paused, so the route must be
+    /// recomputed after setting the cluster header.
+    fn apply(&mut self, decision: Decision, from_body: bool) -> Action {
+        let counters = self.rt.counters.clone();
+        match decision {
+            Decision::Rank(rank) => {
+                counters.add(Counter::Explicit, 1);
+                self.route_to(rank, from_body);
+                self.routed = Routed::Explicit(rank);
+            }
+            Decision::Key { hash, too_long } => {
+                if too_long {
+                    counters.add(Counter::KeyTooLong, 1);
+                }
+                let now = abi::now_seconds().unwrap_or(0);
+                let rt = &self.rt;
+                match resolve_key(&rt.cfg, &rt.table, &SharedData, hash, now) {
+                    Some(rank) => {
+                        counters.add(Counter::AffinityHit, 1);
+                        self.route_to(rank, from_body);
+                        self.routed = Routed::Pinned { hash, rank };
+                    }
+                    None => {
+                        counters.add(Counter::AffinityMiss, 1);
+                        self.routed = Routed::Learn { hash };
+                    }
+                }
+            }
+            Decision::Fallback(reason) => {
+                counters.add(fallback_counter(reason), 1);
+                self.routed = Routed::Balanced;
+            }
+            Decision::Reject(rejection) => {
+                counters.add(Counter::InvalidRank, 1);
+                debug!("[{}] rejected: {}", self.id, rejection.body);
+                let sent = abi::send_local_response(
+                    rejection.status,
+                    "dp_affinity_invalid_rank",
+                    &[("content-type", "application/json")],
+                    rejection.body.as_bytes(),
+                );
+                if let Err(e) = sent {
+                    warn!("[{}] cannot send the 400 answer: status {}", self.id, e.0);
+                    return Action::Continue;
+                }
+                return Action::Pause;
+            }
+        }
+        Action::Continue
+    }
+
+    fn route_to(&self, rank: u32, from_body: bool) {
+        let cfg = &self.rt.cfg;
+        let Some(cluster) = cfg.cluster_names.get(rank as usize) else {
+            return;
+        };
+        if let Err(e) = abi::set_header(REQUEST_HEADERS, &cfg.cluster_header, cluster) {
+            warn!(
+                "[{}] cannot set {}: status {}",
+                self.id, cfg.cluster_header, e.0
+            );
+            return;
+        }
+        if from_body {
+            if let Err(e) = abi::clear_route_cache() {
+                warn!("[{}] clear_route_cache failed: status {}", self.id, e.0);
+            }
+        }
+    }
+
+    /// The rank that served a balanced request: the upstream's own report, else its address.
+    fn learn_rank(&self) -> Option<u32> {
+        let learn = &self.rt.cfg.learn;
+        if let Some(name) = &learn.response_header {
+            if let Ok(Some(v)) = abi::header(RESPONSE_HEADERS, name) {
+                if let Some(rank) = rank_from_upstream(&self.rt.cfg, &v) {
+                    return Some(rank);
+                }
+            }
+        }
+        if learn.upstream_addresses.is_empty() {
+            return None;
+        }
+        let addr = abi::property(&["upstream", "address"]).ok().flatten()?;
+        let addr = std::str::from_utf8(&addr).ok()?;
+        learn.upstream_addresses.get(addr).copied()
+    }
+
+    fn learn(&self, hash: u64, served: Option<u32>) {
+        let counters = &self.rt.counters;
+        let Some(rank) = served else {
+            counters.add(Counter::LearnUnknown, 1);
+            return;
+        };
+        let now = abi::now_seconds().unwrap_or(0);
+        let events = self.rt.table.pin(&SharedData, hash, rank, now);
+        counters.add_table_events(events);
+        if events.cas_exhausted == 0 {
+            counters.add(Counter::Learned, 1);
+        }
+    }
+
+    /// A request sent to a pinned rank failed: drop the pin so the next turn is balanced again.
+    fn on_failure(&mut self) {
+        if let Routed::Pinned { hash, rank } = self.routed {
+            let (removed, events) = self.rt.table.unpin(&SharedData, hash, rank);
+            self.rt.counters.add_table_events(events);
+            if removed {
+                self.rt.counters.add(Counter::Unpinned, 1);
+                info!("[{}] rank {rank} failed; key unpinned", self.id);
+            }
+            // Only once per request, whichever callback saw the failure first.
+            self.routed = Routed::Balanced;
+        }
+    }
+}
+
+fn fallback_counter(reason: Reason) -> Counter {
+    match reason {
+        Reason::BodyTooLarge => Counter::BodyTooLarge,
+        Reason::BodyMalformed => Counter::BodyMalformed,
+        Reason::Explicit => Counter::Explicit,
+        Reason::AffinityHit => Counter::AffinityHit,
+        Reason::AffinityMiss => Counter::AffinityMiss,
+        Reason::NoKey => Counter::NoKey,
+    }
+}

@@ -1,0 +1,17 @@
+//! dp-affinity: an Envoy HTTP filter (proxy-wasm) that routes LLM inference requests to
+//! data-parallel ranks with prefix-cache affinity.
+//!
+//! The routing core (`config`, `extract`, `json_scan`, `decide`, `table`, `hash`, `metrics`) is
+//! plain Rust, tested natively. Only `host` touches the proxy-wasm SDK, and it is compiled for the
+//! wasm target alone.
+
+pub mod config;
+pub mod decide;
+pub mod extract;
+pub mod hash;
+pub mod json_scan;
+pub mod metrics;
+pub mod table;
+
+#[cfg(target_arch = "wasm32")]
+mod host;

@@ -1,0 +1,453 @@
+//! The affinity table: routing-key hash → rank, bounded, in a key-value store with
+//! compare-and-swap (Envoy shared data in production, an in-memory map in tests).
+//!
+//! Layout: `buckets` store keys, each holding up to `ways` entries of 16 bytes:
+//! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank: u16 LE | reserved: u16`.
+//! Memory is therefore `buckets × ways × 16` bytes of values whatever clients send.
+//! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
+//! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
+
+use crate::config::TableConfig;
+
+/// Result of a read from the store: value and its compare-and-swap token.
+pub type Stored = (Option<Vec<u8>>, Option<u32>);
+
+/// Why a store write failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreError {
+    /// Someone else wrote the key since we read it.
+    CasMismatch,
+    /// Anything else the host reported.
+    Other,
+}
+
+/// A key-value store with compare-and-swap, as Envoy shared data provides.
+pub trait Store {
+    fn get(&self, key: &str) -> Stored;
+    /// Writes `value` if the key's CAS token still equals `cas` (`None` = unconditional).
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+const ENTRY: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    hash: u64,
+    last_used: u32,
+    rank: u16,
+}
+
+impl Entry {
+    fn decode(b: &[u8]) -> Option<Entry> {
+        let hash = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
+        let last_used = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?);
+        let rank = u16::from_le_bytes(b.get(12..14)?.try_into().ok()?);
+        Some(Entry {
+            hash,
+            last_used,
+            rank,
+        })
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.hash.to_le_bytes());
+        out.extend_from_slice(&self.last_used.to_le_bytes());
+        out.extend_from_slice(&self.rank.to_le_bytes());
+        out.extend_from_slice(&[0, 0]);
+    }
+}
+
+/// Decodes a bucket; anything that is not a whole number of entries reads as empty.
+fn decode_bucket(bytes: &[u8], ways: usize) -> Vec<Entry> {
+    if !bytes.len().is_multiple_of(ENTRY) {
+        return Vec::new();
+    }
+    bytes
+        .chunks_exact(ENTRY)
+        .take(ways)
+        .filter_map(Entry::decode)
+        .collect()
+}
+
+fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(entries.len() * ENTRY);
+    for e in entries {
+        e.encode_into(&mut out);
+    }
+    out
+}
+
+/// What a lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// A live entry pins the key to `rank`.
+    Hit { rank: u32 },
+    /// No live entry (absent, expired, or on a rank outside `0..dp_size`).
+    Miss,
+}
+
+/// Side effects worth counting, reported back to the caller (who owns the metrics).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TableEvents {
+    /// Live entries pushed out to make room.
+    pub evictions: u32,
+    /// Compare-and-swap conflicts that caused a retry.
+    pub cas_retries: u32,
+    /// Writes abandoned after all retries lost.
+    pub cas_exhausted: u32,
+}
+
+impl TableEvents {
+    pub fn add(&mut self, other: TableEvents) {
+        self.evictions += other.evictions;
+        self.cas_retries += other.cas_retries;
+        self.cas_exhausted += other.cas_exhausted;
+    }
+}
+
+/// The affinity table over a store. Cheap to build; holds no per-request state.
+#[derive(Debug, Clone)]
+pub struct AffinityTable {
+    cfg: TableConfig,
+}
+
+impl AffinityTable {
+    pub fn new(cfg: TableConfig) -> Self {
+        AffinityTable { cfg }
+    }
+
+    /// Store key of bucket `idx`. The geometry is part of the name so a reload with another bucket
+    /// count starts a fresh table instead of reading entries filed under the old modulus.
+    pub fn bucket_key(&self, idx: u32) -> String {
+        format!("{}/{}/{}", self.cfg.namespace, self.cfg.buckets, idx)
+    }
+
+    /// Bucket of a key hash: the high 32 bits, scaled to the bucket count (no modulo bias worth
+    /// mentioning and no division).
+    pub fn bucket_of(&self, hash: u64) -> u32 {
+        (((hash >> 32) * u64::from(self.cfg.buckets)) >> 32) as u32
+    }
+
+    /// Creates every bucket that does not exist yet, as an empty value.
+    ///
+    /// Envoy's shared data ignores the CAS token when a key does not exist, so two workers creating
+    /// the same bucket at once could overwrite each other's first entry. Creating all buckets up
+    /// front (before traffic) means every later write is a real compare-and-swap.
+    pub fn ensure_buckets(&self, store: &dyn Store) -> u32 {
+        let mut created = 0;
+        for idx in 0..self.cfg.buckets {
+            let key = self.bucket_key(idx);
+            if store.get(&key).0.is_none() && store.set(&key, &[], None).is_ok() {
+                created += 1;
+            }
+        }
+        created
+    }
+
+    fn is_live(&self, e: &Entry, now: u32) -> bool {
+        now.saturating_sub(e.last_used) < self.cfg.ttl_seconds
+    }
+
+    /// Looks `hash` up; a hit whose recency is older than `refresh_seconds` is refreshed
+    /// (one best-effort compare-and-swap: a lost race means someone else just wrote the bucket).
+    pub fn lookup(&self, store: &dyn Store, hash: u64, now: u32, dp_size: u32) -> Lookup {
+        let key = self.bucket_key(self.bucket_of(hash));
+        let (value, cas) = store.get(&key);
+        let Some(bytes) = value else {
+            return Lookup::Miss;
+        };
+        let mut entries = decode_bucket(&bytes, self.cfg.ways as usize);
+        let Some(pos) = entries.iter().position(|e| e.hash == hash) else {
+            return Lookup::Miss;
+        };
+        let e = entries[pos];
+        if !self.is_live(&e, now) || u32::from(e.rank) >= dp_size {
+            return Lookup::Miss;
+        }
+        if now.saturating_sub(e.last_used) >= self.cfg.refresh_seconds.max(1) && cas.is_some() {
+            entries[pos].last_used = now;
+            let _ = store.set(&key, &encode_bucket(&entries), cas);
+        }
+        Lookup::Hit {
+            rank: u32::from(e.rank),
+        }
+    }
+
+    /// Pins `hash` to `rank`, evicting the least recently used entry if the bucket is full.
+    pub fn pin(&self, store: &dyn Store, hash: u64, rank: u32, now: u32) -> TableEvents {
+        let rank = u16::try_from(rank).unwrap_or(u16::MAX);
+        self.update(store, hash, |entries, ways, events| {
+            if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
+                e.rank = rank;
+                e.last_used = now;
+                return true;
+            }
+            // Expired entries are dropped first: they hold no pin anyone can use.
+            entries.retain(|e| self.is_live(e, now));
+            if entries.len() >= ways {
+                if let Some(lru) = (0..entries.len()).min_by_key(|&i| entries[i].last_used) {
+                    entries.remove(lru);
+                    events.evictions += 1;
+                }
+            }
+            entries.push(Entry {
+                hash,
+                last_used: now,
+                rank,
+            });
+            true
+        })
+    }
+
+    /// Removes the pin of `hash` if it still points at `rank` (a newer pin elsewhere is kept).
+    /// Returns whether a pin was removed, and the events.
+    pub fn unpin(&self, store: &dyn Store, hash: u64, rank: u32) -> (bool, TableEvents) {
+        let mut removed = false;
+        let events = self.update(store, hash, |entries, _, _| {
+            let before = entries.len();
+            entries.retain(|e| !(e.hash == hash && u32::from(e.rank) == rank));
+            removed = entries.len() != before;
+            removed
+        });
+        (removed, events)
+    }
+
+    /// Read-modify-write of the bucket of `hash` with bounded compare-and-swap retries.
+    /// `change` returns false when there is nothing to write.
+    fn update(
+        &self,
+        store: &dyn Store,
+        hash: u64,
+        mut change: impl FnMut(&mut Vec<Entry>, usize, &mut TableEvents) -> bool,
+    ) -> TableEvents {
+        let key = self.bucket_key(self.bucket_of(hash));
+        let ways = self.cfg.ways as usize;
+        let mut events = TableEvents::default();
+        for attempt in 0..=self.cfg.cas_retries {
+            let (value, cas) = store.get(&key);
+            let mut entries = decode_bucket(value.as_deref().unwrap_or(&[]), ways);
+            let mut attempt_events = TableEvents::default();
+            if !change(&mut entries, ways, &mut attempt_events) {
+                return events;
+            }
+            match store.set(&key, &encode_bucket(&entries), cas) {
+                Ok(()) => {
+                    events.add(attempt_events);
+                    return events;
+                }
+                Err(StoreError::CasMismatch) if attempt < self.cfg.cas_retries => {
+                    events.cas_retries += 1;
+                }
+                Err(_) => break,
+            }
+        }
+        events.cas_exhausted += 1;
+        events
+    }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+    use std::cell::{Cell, RefCell};
+    use std::collections::HashMap;
+
+    /// In-memory store with Envoy's CAS semantics; can be told to lose the next N races.
+    #[derive(Default)]
+    pub struct MemStore {
+        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        next_cas: Cell<u32>,
+        pub lose_races: Cell<u32>,
+        /// Called between a lost race and the error: simulates the other writer's change.
+        pub rival: RefCell<Option<Box<dyn Fn(&MemStore, &str)>>>,
+    }
+
+    impl MemStore {
+        pub fn raw_set(&self, key: &str, value: Vec<u8>) {
+            let cas = self.next_cas.get() + 1;
+            self.next_cas.set(cas);
+            self.map.borrow_mut().insert(key.to_string(), (value, cas));
+        }
+
+        pub fn total_bytes(&self) -> usize {
+            self.map.borrow().values().map(|(v, _)| v.len()).sum()
+        }
+    }
+
+    impl Store for MemStore {
+        fn get(&self, key: &str) -> Stored {
+            match self.map.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if self.lose_races.get() > 0 {
+                self.lose_races.set(self.lose_races.get() - 1);
+                if let Some(rival) = self.rival.borrow().as_ref() {
+                    rival(self, key);
+                }
+                return Err(StoreError::CasMismatch);
+            }
+            let current = self.map.borrow().get(key).map(|(_, c)| *c);
+            if let (Some(want), Some(have)) = (cas, current) {
+                if want != have {
+                    return Err(StoreError::CasMismatch);
+                }
+            }
+            self.raw_set(key, value.to_vec());
+            Ok(())
+        }
+    }
+
+    fn table(buckets: u32, ways: u32) -> AffinityTable {
+        AffinityTable::new(TableConfig {
+            buckets,
+            ways,
+            ttl_seconds: 100,
+            refresh_seconds: 1,
+            cas_retries: 3,
+            namespace: "t".into(),
+        })
+    }
+
+    #[test]
+    fn pin_then_hit_then_unpin() {
+        let (s, t) = (MemStore::default(), table(16, 4));
+        assert_eq!(t.lookup(&s, 42, 1000, 4), Lookup::Miss);
+        t.pin(&s, 42, 3, 1000);
+        assert_eq!(t.lookup(&s, 42, 1001, 4), Lookup::Hit { rank: 3 });
+        // Unpin for another rank keeps the pin; for its own rank removes it.
+        assert!(!t.unpin(&s, 42, 1).0);
+        assert_eq!(t.lookup(&s, 42, 1001, 4), Lookup::Hit { rank: 3 });
+        assert!(t.unpin(&s, 42, 3).0);
+        assert_eq!(t.lookup(&s, 42, 1001, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn rank_outside_dp_size_is_a_miss() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.pin(&s, 7, 5, 10);
+        assert_eq!(t.lookup(&s, 7, 10, 4), Lookup::Miss);
+        assert_eq!(t.lookup(&s, 7, 10, 8), Lookup::Hit { rank: 5 });
+    }
+
+    #[test]
+    fn ttl_expires_idle_entries_and_refresh_keeps_busy_ones() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.pin(&s, 1, 0, 1000);
+        t.pin(&s, 2, 1, 1000);
+        // Key 1 is used every 50 s, key 2 never again.
+        for now in [1050, 1099, 1148] {
+            assert_eq!(t.lookup(&s, 1, now, 4), Lookup::Hit { rank: 0 });
+        }
+        assert_eq!(t.lookup(&s, 2, 1148, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn full_bucket_evicts_least_recently_used() {
+        let (s, t) = (MemStore::default(), table(1, 2));
+        t.pin(&s, 1, 0, 10);
+        t.pin(&s, 2, 1, 11);
+        assert_eq!(t.lookup(&s, 1, 12, 4), Lookup::Hit { rank: 0 }); // refreshes 1
+        let ev = t.pin(&s, 3, 2, 13);
+        assert_eq!(ev.evictions, 1);
+        assert_eq!(t.lookup(&s, 2, 13, 4), Lookup::Miss);
+        assert_eq!(t.lookup(&s, 1, 13, 4), Lookup::Hit { rank: 0 });
+        assert_eq!(t.lookup(&s, 3, 13, 4), Lookup::Hit { rank: 2 });
+    }
+
+    #[test]
+    fn expired_entries_make_room_without_counting_evictions() {
+        let (s, t) = (MemStore::default(), table(1, 2));
+        t.pin(&s, 1, 0, 10);
+        t.pin(&s, 2, 1, 10);
+        let ev = t.pin(&s, 3, 2, 500);
+        assert_eq!(ev.evictions, 0);
+        assert_eq!(t.lookup(&s, 3, 500, 4), Lookup::Hit { rank: 2 });
+    }
+
+    #[test]
+    fn bound_holds_over_many_keys_and_most_recent_survive() {
+        let (s, t) = (MemStore::default(), table(4, 2));
+        t.ensure_buckets(&s);
+        let hasher = crate::hash::KeyedHasher::from_seed(b"");
+        let mut evictions = 0;
+        for i in 0..1000u32 {
+            let h = hasher.hash(format!("key-{i}").as_bytes());
+            evictions += t.pin(&s, h, i % 4, 1000 + i).evictions;
+        }
+        assert!(s.total_bytes() <= 4 * 2 * ENTRY);
+        assert_eq!(evictions, 1000 - 8);
+        let last = hasher.hash(b"key-999");
+        assert_eq!(t.lookup(&s, last, 2000, 4), Lookup::Hit { rank: 3 });
+        let first = hasher.hash(b"key-0");
+        assert_eq!(t.lookup(&s, first, 2000, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn lost_races_retry_and_keep_the_rivals_write() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.ensure_buckets(&s);
+        // The rival pins key 99 in the same bucket while we are between read and write.
+        let rival_table = t.clone();
+        *s.rival.borrow_mut() = Some(Box::new(move |store: &MemStore, _key: &str| {
+            let key = rival_table.bucket_key(0);
+            let mut v = store.get(&key).0.unwrap_or_default();
+            Entry {
+                hash: 99,
+                last_used: 5,
+                rank: 1,
+            }
+            .encode_into(&mut v);
+            store.raw_set(&key, v);
+        }));
+        s.lose_races.set(1);
+        let ev = t.pin(&s, 42, 2, 5);
+        assert_eq!((ev.cas_retries, ev.cas_exhausted), (1, 0));
+        assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Hit { rank: 2 });
+        assert_eq!(t.lookup(&s, 99, 5, 4), Lookup::Hit { rank: 1 });
+    }
+
+    #[test]
+    fn retries_are_bounded() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        s.lose_races.set(100);
+        let ev = t.pin(&s, 42, 2, 5);
+        assert_eq!((ev.cas_retries, ev.cas_exhausted), (3, 1));
+    }
+
+    #[test]
+    fn garbage_buckets_read_as_empty_and_are_repaired() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        let key = t.bucket_key(0);
+        for garbage in [vec![1u8; 15], vec![0xff; 17], vec![7u8; 3]] {
+            s.raw_set(&key, garbage);
+            assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Miss);
+            t.pin(&s, 42, 1, 5);
+            assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Hit { rank: 1 });
+        }
+        // More entries than ways (e.g. after a reload with fewer ways): only `ways` are read.
+        let mut big = Vec::new();
+        for i in 0..10u64 {
+            Entry {
+                hash: i,
+                last_used: 5,
+                rank: 0,
+            }
+            .encode_into(&mut big);
+        }
+        s.raw_set(&key, big);
+        assert_eq!(t.lookup(&s, 3, 5, 4), Lookup::Hit { rank: 0 });
+        assert_eq!(t.lookup(&s, 8, 5, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn bucket_index_is_in_range() {
+        let t = table(7, 1);
+        for h in [0, u64::MAX, 1 << 63, 0xdead_beef_dead_beef] {
+            assert!(t.bucket_of(h) < 7);
+        }
+    }
+}
