@@ -141,18 +141,17 @@ pub fn reject(cfg: &Config, e: &RankError) -> Rejection {
         cfg.dp_size,
         e.problem
     );
-    let body = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": e.field,
-            "code": "invalid_data_parallel_rank",
-        }
-    });
-    Rejection {
-        status: 400,
-        body: body.to_string(),
-    }
+    // Written by hand (with serde_json escaping the strings): the error path stays small.
+    let body = format!(
+        r#"{{"error":{{"message":{},"type":"invalid_request_error","param":{},"code":"invalid_data_parallel_rank"}}}}"#,
+        json_string(&message),
+        json_string(&e.field),
+    );
+    Rejection { status: 400, body }
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_string())
 }
 
 /// Parses a rank reported by an upstream (response header): a plain integer in range.
@@ -203,6 +202,8 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
         assert_eq!(v["error"]["param"], "x-data-parallel-rank");
         assert!(v["error"]["message"].as_str().unwrap().contains("0..=3"));
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "invalid_data_parallel_rank");
 
         let c = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
         let h = headers(
@@ -213,6 +214,17 @@ mod tests {
             decide_headers(&c, &h, true),
             HeaderStep::Decided(Decision::Key { .. })
         ));
+    }
+
+    #[test]
+    fn hostile_rank_values_still_give_valid_json() {
+        let c = cfg("");
+        let h = headers(&c, &[("x-data-parallel-rank", "\"}\\\n\u{1}é")]);
+        let HeaderStep::Decided(Decision::Reject(r)) = decide_headers(&c, &h, true) else {
+            panic!("expected a rejection");
+        };
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["error"]["param"], "x-data-parallel-rank");
     }
 
     #[test]

@@ -133,7 +133,14 @@ impl AffinityTable {
     /// Envoy's shared data ignores the CAS token when a key does not exist, so two workers creating
     /// the same bucket at once could overwrite each other's first entry. Creating all buckets up
     /// front (before traffic) means every later write is a real compare-and-swap.
+    ///
+    /// A marker key written last lets every later VM (each Envoy worker runs its own) skip the
+    /// walk over all buckets: one read instead of `buckets` reads at start-up.
     pub fn ensure_buckets(&self, store: &dyn Store) -> u32 {
+        let marker = format!("{}/{}/ready", self.cfg.namespace, self.cfg.buckets);
+        if store.get(&marker).0.is_some() {
+            return 0;
+        }
         let mut created = 0;
         for idx in 0..self.cfg.buckets {
             let key = self.bucket_key(idx);
@@ -141,6 +148,7 @@ impl AffinityTable {
                 created += 1;
             }
         }
+        let _ = store.set(&marker, b"1", None);
         created
     }
 
@@ -252,6 +260,9 @@ pub mod tests {
     use std::cell::{Cell, RefCell};
     use std::collections::HashMap;
 
+    /// Simulates another writer's change, run when a race is lost.
+    pub type Rival = Box<dyn Fn(&MemStore, &str)>;
+
     /// In-memory store with Envoy's CAS semantics; can be told to lose the next N races.
     #[derive(Default)]
     pub struct MemStore {
@@ -259,7 +270,7 @@ pub mod tests {
         next_cas: Cell<u32>,
         pub lose_races: Cell<u32>,
         /// Called between a lost race and the error: simulates the other writer's change.
-        pub rival: RefCell<Option<Box<dyn Fn(&MemStore, &str)>>>,
+        pub rival: RefCell<Option<Rival>>,
     }
 
     impl MemStore {
@@ -378,7 +389,10 @@ pub mod tests {
             let h = hasher.hash(format!("key-{i}").as_bytes());
             evictions += t.pin(&s, h, i % 4, 1000 + i).evictions;
         }
-        assert!(s.total_bytes() <= 4 * 2 * ENTRY);
+        assert!(
+            s.total_bytes() <= 4 * 2 * ENTRY + 1,
+            "8 entries plus the 1-byte ready marker"
+        );
         assert_eq!(evictions, 1000 - 8);
         let last = hasher.hash(b"key-999");
         assert_eq!(t.lookup(&s, last, 2000, 4), Lookup::Hit { rank: 3 });
@@ -441,6 +455,16 @@ pub mod tests {
         s.raw_set(&key, big);
         assert_eq!(t.lookup(&s, 3, 5, 4), Lookup::Hit { rank: 0 });
         assert_eq!(t.lookup(&s, 8, 5, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn buckets_are_created_once() {
+        let (s, t) = (MemStore::default(), table(8, 2));
+        assert_eq!(t.ensure_buckets(&s), 8);
+        assert_eq!(t.ensure_buckets(&s), 0);
+        for idx in 0..8 {
+            assert_eq!(s.get(&t.bucket_key(idx)).0.as_deref(), Some(&[][..]));
+        }
     }
 
     #[test]

