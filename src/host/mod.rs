@@ -128,7 +128,6 @@ impl RootContext for Root {
             awaiting_body: false,
             body_size: 0,
             routed: Routed::Unset,
-            responded: false,
         }))
     }
 
@@ -158,7 +157,6 @@ struct Filter {
     awaiting_body: bool,
     body_size: usize,
     routed: Routed,
-    responded: bool,
 }
 
 impl Context for Filter {}
@@ -216,7 +214,6 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.responded = true;
         if self.routed == Routed::Unset {
             return Action::Continue; // our own 400, or a request Envoy answered before us
         }
@@ -227,7 +224,10 @@ impl HttpContext for Filter {
             .unwrap_or(0);
         let served = match self.routed {
             Routed::Explicit(rank) | Routed::Pinned { rank, .. } => Some(rank),
-            _ => self.learn_rank(),
+            Routed::Learn { .. } => self.learn_rank(),
+            // Only worth the host calls when the client is told the rank.
+            _ if self.rt.cfg.echo_header.is_some() => self.learn_rank(),
+            _ => None,
         };
         if status >= 500 || status == 0 {
             self.on_failure();
@@ -240,12 +240,9 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
-        // No response headers at all: the stream was reset (upstream or client) before any answer.
-        if !self.responded {
-            self.on_failure();
-        }
-    }
+    // No `on_log` unpinning: an upstream reset, connect failure or timeout reaches the response
+    // callback as Envoy's own 503/504. A stream that ends with no response at all is a client
+    // that went away (e.g. a cancelled generation), which says nothing about the rank.
 }
 
 impl Filter {
@@ -374,7 +371,7 @@ impl Filter {
                 self.rt.counters.add(Counter::Unpinned, 1);
                 info!("[{}] rank {rank} failed; key unpinned", self.id);
             }
-            // Only once per request, whichever callback saw the failure first.
+            // At most once per request.
             self.routed = Routed::Balanced;
         }
     }
