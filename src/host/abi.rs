@@ -86,6 +86,7 @@ extern "C" {
         size: *mut usize,
     ) -> u32;
     fn proxy_get_current_time_nanoseconds(time: *mut u64) -> u32;
+    fn proxy_get_log_level(level: *mut u32) -> u32;
 }
 
 /// Takes ownership of a host-returned buffer. The host allocates it through the SDK's
@@ -299,4 +300,12 @@ pub fn now_seconds() -> Result<u32, HostError> {
     // SAFETY: ns is a valid local.
     check(unsafe { proxy_get_current_time_nanoseconds(&mut ns) })?;
     Ok((ns / 1_000_000_000).min(u64::from(u32::MAX)) as u32)
+}
+
+/// The host's log level for this plugin (0 trace … 5 critical).
+pub fn log_level() -> Result<u32, HostError> {
+    let mut level = 0u32;
+    // SAFETY: level is a valid local.
+    check(unsafe { proxy_get_log_level(&mut level) })?;
+    Ok(level)
 }

@@ -83,6 +83,18 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
+        // Follow Envoy's level (`--component-log-level wasm:debug` shows our debug lines); below
+        // it, log macros cost nothing on the request path.
+        if let Ok(level) = abi::log_level() {
+            proxy_wasm::set_log_level(match level {
+                0 => LogLevel::Trace,
+                1 => LogLevel::Debug,
+                2 => LogLevel::Info,
+                3 => LogLevel::Warn,
+                4 => LogLevel::Error,
+                _ => LogLevel::Critical,
+            });
+        }
         info!("dp-affinity {} starting", env!("CARGO_PKG_VERSION"));
         true
     }

@@ -1,0 +1,169 @@
+//! Self-tests of the e2e harness that do not need the filter: the HTTP client,
+//! the mock ranks, and the generated Envoy topology (run without the wasm filter).
+//! When an e2e scenario fails, these say whether the harness or the filter is at fault.
+
+mod support;
+
+use std::io::{BufReader, Read, Write};
+use std::net::TcpListener;
+use std::thread;
+use std::time::Duration;
+
+use serde_json::json;
+
+use support::envoy::{self, EnvoyConfig};
+use support::fnv::fnv1a64_hex;
+use support::http::{self, read_response, Request};
+use support::mock::MockRank;
+use support::stack::{mock_info, served_rank, upstream_headers, Stack, StackOptions};
+use support::tempdir::TestDir;
+
+fn chat(body_extra: serde_json::Value) -> Request {
+    let mut body = json!({ "model": "mock", "messages": [{ "role": "user", "content": "hi" }] });
+    body.as_object_mut()
+        .expect("object")
+        .extend(body_extra.as_object().expect("object").clone());
+    Request::post("/v1/chat/completions").json(&body)
+}
+
+#[test]
+fn http_client_reads_chunked_and_length_framed_responses() {
+    let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\nx-a: 2\r\n\r\n\
+                5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\n\r\n\
+                HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nnop";
+    let mut reader = BufReader::new(&raw[..]);
+    let first = read_response(&mut reader, "GET");
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body, b"hello world");
+    assert_eq!(first.header_all("x-a"), vec!["1", "2"]);
+    let second = read_response(&mut reader, "GET");
+    assert_eq!(second.status, 404);
+    assert_eq!(second.text(), "nop");
+}
+
+#[test]
+fn http_stream_timestamps_each_chunk() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        let mut request = [0u8; 1024];
+        let _ = conn.read(&mut request);
+        conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")
+            .expect("write");
+        thread::sleep(Duration::from_millis(300));
+        conn.write_all(b"3\r\ntwo\r\n0\r\n\r\n").expect("write");
+    });
+    let streamed = http::stream(addr, &Request::get("/"));
+    server.join().expect("server thread");
+    assert_eq!(streamed.body(), b"onetwo");
+    assert_eq!(streamed.chunks.len(), 2);
+    let gap = streamed.chunks[1].0 - streamed.chunks[0].0;
+    assert!(
+        gap >= Duration::from_millis(250),
+        "chunks not timestamped apart: {gap:?}"
+    );
+}
+
+#[test]
+fn fnv_matches_reference_vectors() {
+    assert_eq!(fnv1a64_hex(b""), "cbf29ce484222325");
+    assert_eq!(fnv1a64_hex(b"a"), "af63dc4c8601ec8c");
+    assert_eq!(fnv1a64_hex(b"foobar"), "85944171f73967e8");
+}
+
+#[test]
+fn mock_rank_answers_kills_and_restarts() {
+    let dir = TestDir::new("harness-mock");
+    let mut mock = MockRank::start(2, &[], dir.path());
+    let request = chat(json!({ "routing_key": "abc" }));
+    let response = http::send(mock.addr(), &request);
+    assert_eq!(served_rank(&response), 2);
+    let info = mock_info(&response);
+    assert_eq!(info["body_len"], json!(request.body.len()));
+    assert_eq!(info["body_fnv1a64"], json!(fnv1a64_hex(&request.body)));
+    assert_eq!(info["path"], json!("/v1/chat/completions"));
+
+    let port = mock.port();
+    mock.kill();
+    assert!(
+        std::net::TcpStream::connect(mock.addr()).is_err(),
+        "killed mock still accepts"
+    );
+    mock.restart();
+    assert_eq!(mock.port(), port, "restart must reuse the port Envoy knows");
+    assert_eq!(served_rank(&http::send(mock.addr(), &request)), 2);
+}
+
+/// The generated topology without the filter: Envoy balances over dp-all, the
+/// cluster-header route reaches one rank and strips the header, and teardown frees
+/// the ports. (With the filter, a client's header must NOT work: see e2e.)
+#[test]
+fn envoy_topology_without_filter() {
+    let stack = Stack::start(
+        "harness-envoy",
+        StackOptions::new(json!({ "dp_size": 4 })).without_filter(),
+    );
+    let ranks: Vec<u32> = (0..20)
+        .map(|_| served_rank(&stack.send(&chat(json!({})))))
+        .collect();
+    let distinct: std::collections::BTreeSet<u32> = ranks.iter().copied().collect();
+    assert!(distinct.len() >= 2, "dp-all did not balance: {ranks:?}");
+
+    let pinned = stack.send(&chat(json!({})).header("x-dp-affinity-cluster", "dp-rank-3"));
+    assert_eq!(served_rank(&pinned), 3);
+    assert!(
+        !upstream_headers(&pinned).contains_key("x-dp-affinity-cluster"),
+        "route must strip the internal header before the upstream"
+    );
+
+    let admin = stack.envoy.admin_addr();
+    drop(stack);
+    assert!(
+        std::net::TcpStream::connect(admin).is_err(),
+        "Envoy admin still up after drop"
+    );
+}
+
+#[test]
+fn envoy_stream_is_not_buffered_without_filter() {
+    let stack = Stack::start(
+        "harness-sse",
+        StackOptions::new(json!({ "dp_size": 1 }))
+            .without_filter()
+            .mock_args(&["--stream-interval-ms", "200"]),
+    );
+    let streamed = http::stream(stack.addr(), &chat(json!({ "stream": true })));
+    assert_eq!(streamed.status, 200);
+    let first = streamed.chunks.first().expect("a chunk").0;
+    let last = streamed.chunks.last().expect("a chunk").0;
+    assert!(
+        first * 2 < last,
+        "first chunk at {first:?}, last at {last:?}"
+    );
+}
+
+#[test]
+fn envoy_validate_runner_reports_success_and_failure() {
+    let dir = TestDir::new("harness-validate");
+    let good = EnvoyConfig::new(vec![1, 2], None, json!({ "dp_size": 2 }));
+    let outcome = envoy::validate(&good, dir.path(), "good");
+    assert!(
+        outcome.success,
+        "plain topology must validate:\n{}",
+        outcome.output
+    );
+
+    let bad_path = dir.join("bad.yaml");
+    std::fs::write(
+        &bad_path,
+        "static_resources: { clusters: [ { name: x, type: NOPE } ] }\n",
+    )
+    .expect("write");
+    let outcome = envoy::validate_file(&bad_path);
+    assert!(
+        !outcome.success,
+        "broken config validated:\n{}",
+        outcome.output
+    );
+}

@@ -1,0 +1,343 @@
+//! A deliberately small HTTP/1.1 client over `std::net::TcpStream`.
+//!
+//! Enough for the tests: requests with headers and a body, responses framed by
+//! content-length, chunked encoding or connection close, keep-alive reuse, and a
+//! streaming read that timestamps every chunk (to prove SSE is not buffered).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Long enough for a slow CI machine, short enough that a request the filter
+/// wrongly paused (Envoy's idle timeout is minutes) fails the test instead of hanging it.
+const IO_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    pub fn new(method: &str, path: &str) -> Request {
+        Request {
+            method: method.to_string(),
+            path: path.to_string(),
+            headers: Vec::new(),
+            body: Vec::new(),
+        }
+    }
+
+    pub fn get(path: &str) -> Request {
+        Request::new("GET", path)
+    }
+
+    pub fn post(path: &str) -> Request {
+        Request::new("POST", path)
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Request {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// A JSON body with `content-type: application/json`.
+    pub fn json(self, value: &Value) -> Request {
+        self.body("application/json", value.to_string().into_bytes())
+    }
+
+    pub fn body(mut self, content_type: &str, body: Vec<u8>) -> Request {
+        self.body = body;
+        self.header("content-type", content_type)
+    }
+
+    /// The bytes on the wire. `close` asks the server to close after the response.
+    fn encode(&self, close: bool) -> Vec<u8> {
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\nhost: localhost\r\n",
+            self.method, self.path
+        );
+        for (name, value) in &self.headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        if !self.body.is_empty() || self.method == "POST" {
+            head.push_str(&format!("content-length: {}\r\n", self.body.len()));
+        }
+        if close {
+            head.push_str("connection: close\r\n");
+        }
+        head.push_str("\r\n");
+        let mut bytes = head.into_bytes();
+        bytes.extend_from_slice(&self.body);
+        bytes
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Response {
+    pub status: u16,
+    /// Names lower-cased; a repeated header appears once per occurrence.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    /// The first value of a header (name case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.header_all(name).into_iter().next()
+    }
+
+    pub fn header_all(&self, name: &str) -> Vec<&str> {
+        let name = name.to_ascii_lowercase();
+        self.headers
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "response body is not JSON ({e}); status {} body {:?}",
+                self.status,
+                self.text()
+            )
+        })
+    }
+
+    /// Whether the server announced it will close the connection.
+    fn closes(&self) -> bool {
+        self.header("connection")
+            .is_some_and(|v| v.eq_ignore_ascii_case("close"))
+    }
+}
+
+/// One request on a fresh connection. Fresh connections are spread by the kernel
+/// over Envoy's workers, so a sequence of these exercises both of them.
+pub fn send(addr: SocketAddr, request: &Request) -> Response {
+    let mut reader = connect(addr);
+    write_request(reader.get_mut(), request, true);
+    read_response(&mut reader, &request.method)
+}
+
+/// A keep-alive connection for sending many requests cheaply (all on one worker).
+pub struct Client {
+    addr: SocketAddr,
+    conn: Option<BufReader<TcpStream>>,
+}
+
+impl Client {
+    pub fn new(addr: SocketAddr) -> Client {
+        Client { addr, conn: None }
+    }
+
+    pub fn send(&mut self, request: &Request) -> Response {
+        let addr = self.addr;
+        let reader = self.conn.get_or_insert_with(|| connect(addr));
+        write_request(reader.get_mut(), request, false);
+        let response = read_response(reader, &request.method);
+        if response.closes() {
+            // Reconnect lazily; never resend, a resend would skew the counters.
+            self.conn = None;
+        }
+        response
+    }
+}
+
+/// A response read chunk by chunk, each stamped with its arrival time.
+#[derive(Debug)]
+pub struct StreamedResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    /// Time since the request was written, and the chunk's bytes.
+    pub chunks: Vec<(Duration, Vec<u8>)>,
+}
+
+impl StreamedResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        let name = name.to_ascii_lowercase();
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        self.chunks.iter().flat_map(|(_, c)| c.clone()).collect()
+    }
+}
+
+/// Sends `request` and records when each piece of the body arrives. For a chunked
+/// response a piece is one HTTP chunk; otherwise one `read()` worth of bytes.
+pub fn stream(addr: SocketAddr, request: &Request) -> StreamedResponse {
+    let mut reader = connect(addr);
+    write_request(reader.get_mut(), request, true);
+    let started = Instant::now();
+    let (status, headers) = read_head(&mut reader);
+    let chunked = is_chunked(&headers);
+    let mut chunks = Vec::new();
+    loop {
+        let piece = if chunked {
+            read_chunk(&mut reader)
+        } else {
+            read_some(&mut reader)
+        };
+        match piece {
+            Some(bytes) => chunks.push((started.elapsed(), bytes)),
+            None => break,
+        }
+    }
+    StreamedResponse {
+        status,
+        headers,
+        chunks,
+    }
+}
+
+fn connect(addr: SocketAddr) -> BufReader<TcpStream> {
+    let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .expect("read timeout");
+    stream
+        .set_write_timeout(Some(IO_TIMEOUT))
+        .expect("write timeout");
+    stream.set_nodelay(true).expect("nodelay");
+    BufReader::new(stream)
+}
+
+fn write_request(stream: &mut TcpStream, request: &Request, close: bool) {
+    stream
+        .write_all(&request.encode(close))
+        .unwrap_or_else(|e| panic!("write {} {}: {e}", request.method, request.path));
+}
+
+/// Reads one complete response, whatever its framing.
+pub fn read_response<R: BufRead>(reader: &mut R, method: &str) -> Response {
+    let (status, headers) = read_head(reader);
+    let body = if method == "HEAD" || status == 204 || status == 304 {
+        Vec::new()
+    } else if is_chunked(&headers) {
+        read_chunked_body(reader)
+    } else if let Some(length) = content_length(&headers) {
+        read_exact_body(reader, length)
+    } else {
+        read_to_close(reader)
+    };
+    Response {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn read_head<R: BufRead>(reader: &mut R) -> (u16, Vec<(String, String)>) {
+    let status_line = read_line(reader);
+    let status = parse_status(&status_line);
+    let mut headers = Vec::new();
+    loop {
+        let line = read_line(reader);
+        if line.is_empty() {
+            return (status, headers);
+        }
+        let (name, value) = line
+            .split_once(':')
+            .unwrap_or_else(|| panic!("malformed header line {line:?}"));
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
+    }
+}
+
+fn parse_status(line: &str) -> u16 {
+    let mut parts = line.split_whitespace();
+    match (parts.next(), parts.next().and_then(|s| s.parse().ok())) {
+        (Some(version), Some(status)) if version.starts_with("HTTP/1.") => status,
+        _ => panic!("malformed status line {line:?}"),
+    }
+}
+
+/// One CRLF-terminated line without its terminator; panics on EOF so a connection
+/// closed mid-response is reported where it happened.
+fn read_line<R: BufRead>(reader: &mut R) -> String {
+    let mut line = String::new();
+    let n = reader
+        .read_line(&mut line)
+        .unwrap_or_else(|e| panic!("read response line: {e}"));
+    assert!(n > 0, "connection closed before the response was complete");
+    line.trim_end_matches(['\r', '\n']).to_string()
+}
+
+fn is_chunked(headers: &[(String, String)]) -> bool {
+    headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked"))
+}
+
+fn content_length(headers: &[(String, String)]) -> Option<usize> {
+    headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .map(|(_, v)| v.parse().expect("numeric content-length"))
+}
+
+fn read_exact_body<R: BufRead>(reader: &mut R, length: usize) -> Vec<u8> {
+    let mut body = vec![0; length];
+    reader
+        .read_exact(&mut body)
+        .unwrap_or_else(|e| panic!("read {length}-byte body: {e}"));
+    body
+}
+
+fn read_to_close<R: BufRead>(reader: &mut R) -> Vec<u8> {
+    let mut body = Vec::new();
+    reader
+        .read_to_end(&mut body)
+        .unwrap_or_else(|e| panic!("read body to close: {e}"));
+    body
+}
+
+fn read_chunked_body<R: BufRead>(reader: &mut R) -> Vec<u8> {
+    let mut body = Vec::new();
+    while let Some(chunk) = read_chunk(reader) {
+        body.extend_from_slice(&chunk);
+    }
+    body
+}
+
+/// One chunk of a chunked body; `None` after the last (zero-size) chunk and trailers.
+fn read_chunk<R: BufRead>(reader: &mut R) -> Option<Vec<u8>> {
+    let size_line = read_line(reader);
+    let size_hex = size_line.split(';').next().unwrap_or("").trim();
+    let size = usize::from_str_radix(size_hex, 16)
+        .unwrap_or_else(|e| panic!("bad chunk size {size_line:?}: {e}"));
+    if size == 0 {
+        // Trailers (if any) end with an empty line.
+        while !read_line(reader).is_empty() {}
+        return None;
+    }
+    let chunk = read_exact_body(reader, size);
+    let crlf = read_line(reader);
+    assert!(crlf.is_empty(), "chunk not followed by CRLF: {crlf:?}");
+    Some(chunk)
+}
+
+fn read_some<R: BufRead>(reader: &mut R) -> Option<Vec<u8>> {
+    let buf = reader
+        .fill_buf()
+        .unwrap_or_else(|e| panic!("read body: {e}"));
+    if buf.is_empty() {
+        return None;
+    }
+    let piece = buf.to_vec();
+    reader.consume(piece.len());
+    Some(piece)
+}

@@ -1,0 +1,232 @@
+//! One test's world: N mock ranks, an Envoy in front of them (with or without the
+//! filter), a scratch directory, and helpers to read the filter's counters.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::envoy::{Envoy, EnvoyConfig};
+use super::http::{Request, Response};
+use super::mock::MockRank;
+use super::paths;
+use super::tempdir::TestDir;
+
+/// The filter's metrics are `dp_affinity.<name>`; Envoy prints wasm custom metrics
+/// under its own prefix (observed on Envoy 1.40.0: `wasmcustom.dp_affinity.<name>`),
+/// so counters are looked up by suffix.
+pub const METRIC_PREFIX: &str = "dp_affinity.";
+
+/// Counters may be bumped in a callback that runs after the client already has
+/// the response (e.g. on stream completion); poll this long before failing.
+const COUNTER_SETTLE: Duration = Duration::from_secs(3);
+
+#[derive(Clone, Debug)]
+pub struct StackOptions {
+    /// Plugin configuration; its `dp_size` is also the number of mock ranks.
+    pub plugin_config: Value,
+    pub mock_args: Vec<String>,
+    /// `false` runs the topology without the filter (harness self-tests).
+    pub with_filter: bool,
+    pub allow_on_headers_stop_iteration: bool,
+    pub fallback_retries: bool,
+}
+
+impl StackOptions {
+    pub fn new(plugin_config: Value) -> StackOptions {
+        StackOptions {
+            plugin_config,
+            mock_args: Vec::new(),
+            with_filter: true,
+            allow_on_headers_stop_iteration: true,
+            fallback_retries: false,
+        }
+    }
+
+    pub fn mock_args(mut self, args: &[&str]) -> StackOptions {
+        self.mock_args = args.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    pub fn without_filter(mut self) -> StackOptions {
+        self.with_filter = false;
+        self
+    }
+
+    pub fn fallback_retries(mut self) -> StackOptions {
+        self.fallback_retries = true;
+        self
+    }
+
+    fn dp_size(&self) -> u32 {
+        self.plugin_config["dp_size"]
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .expect("plugin_config.dp_size must be a small integer")
+    }
+}
+
+/// Field order is drop order: Envoy first (prints its log if the test failed),
+/// then the mocks, then the directory holding their logs.
+pub struct Stack {
+    pub envoy: Envoy,
+    pub mocks: Vec<MockRank>,
+    pub dir: TestDir,
+    name: String,
+}
+
+impl Stack {
+    pub fn start(name: &str, options: StackOptions) -> Stack {
+        let dir = TestDir::new(name);
+        let mock_args: Vec<&str> = options.mock_args.iter().map(String::as_str).collect();
+        let mocks: Vec<MockRank> = (0..options.dp_size())
+            .map(|rank| MockRank::start(rank, &mock_args, dir.path()))
+            .collect();
+        let mut config = EnvoyConfig::new(
+            mocks.iter().map(MockRank::port).collect(),
+            options.with_filter.then(paths::wasm_path),
+            options.plugin_config.clone(),
+        );
+        config.allow_on_headers_stop_iteration = options.allow_on_headers_stop_iteration;
+        config.fallback_retries = options.fallback_retries;
+        config.access_log = Some(dir.join("access.log"));
+        let envoy = Envoy::start(&config, dir.path());
+        Stack {
+            envoy,
+            mocks,
+            dir,
+            name: name.to_string(),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.envoy.listen_addr()
+    }
+
+    /// One request on a fresh connection (spread over Envoy's workers).
+    pub fn send(&self, request: &Request) -> Response {
+        self.envoy.send(request)
+    }
+
+    /// All of the filter's metrics, by their full Envoy name.
+    pub fn metrics(&self) -> BTreeMap<String, u64> {
+        self.envoy.stats("dp_affinity")
+    }
+
+    /// The filter counter `name` (e.g. "affinity_hit"); 0 if not defined yet.
+    pub fn counter(&self, name: &str) -> u64 {
+        find_metric(&self.metrics(), name).unwrap_or(0)
+    }
+
+    /// Asserts that counter `name` reaches exactly `expected` (allowing it to settle).
+    pub fn assert_counter(&self, name: &str, expected: u64) {
+        self.wait_counter(name, &format!("== {expected}"), |v| v == expected);
+    }
+
+    pub fn assert_counter_at_least(&self, name: &str, minimum: u64) {
+        self.wait_counter(name, &format!(">= {minimum}"), |v| v >= minimum);
+    }
+
+    fn wait_counter(&self, name: &str, wanted: &str, ok: impl Fn(u64) -> bool) {
+        let deadline = Instant::now() + COUNTER_SETTLE;
+        loop {
+            let metrics = self.metrics();
+            let value = find_metric(&metrics, name);
+            if ok(value.unwrap_or(0)) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "counter {METRIC_PREFIX}{name}: wanted {wanted}, got {value:?}; all filter metrics: {metrics:#?}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    pub fn mock(&mut self, rank: u32) -> &mut MockRank {
+        &mut self.mocks[rank as usize]
+    }
+}
+
+impl Drop for Stack {
+    /// Leaves the final counters in the test's output (shown with `--nocapture`
+    /// or on failure) as evidence of what the filter decided.
+    fn drop(&mut self) {
+        if std::thread::panicking() || !self.envoy.admin_reachable() {
+            return;
+        }
+        let nonzero: Vec<String> = self
+            .metrics()
+            .into_iter()
+            .filter(|(_, value)| *value > 0)
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        eprintln!("[{}] filter counters: {}", self.name, nonzero.join(" "));
+    }
+}
+
+fn find_metric(metrics: &BTreeMap<String, u64>, name: &str) -> Option<u64> {
+    let suffix = format!("{METRIC_PREFIX}{name}");
+    metrics
+        .iter()
+        .find(|(full, _)| full.as_str() == suffix || full.ends_with(&format!(".{suffix}")))
+        .map(|(_, v)| *v)
+}
+
+/// The rank that served a successful mock response. Checks that the echoed
+/// `x-dp-rank` header and the mock's own `mock.rank` agree.
+pub fn served_rank(response: &Response) -> u32 {
+    assert_eq!(
+        response.status,
+        200,
+        "expected 200, got {} with headers {:?} body {:?}",
+        response.status,
+        response.headers,
+        response.text()
+    );
+    let header = echoed_rank(response);
+    let body_rank = mock_info(response)["rank"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("mock.rank missing: {}", response.text()));
+    assert_eq!(
+        u64::from(header),
+        body_rank,
+        "x-dp-rank header disagrees with the rank that answered"
+    );
+    header
+}
+
+/// The `x-dp-rank` response header as a number (must be present exactly once:
+/// the filter's echo must not duplicate the upstream's header).
+pub fn echoed_rank(response: &Response) -> u32 {
+    let values = response.header_all("x-dp-rank");
+    assert_eq!(
+        values.len(),
+        1,
+        "expected exactly one x-dp-rank header, got {values:?} (headers {:?})",
+        response.headers
+    );
+    values[0]
+        .parse()
+        .unwrap_or_else(|e| panic!("x-dp-rank {:?} is not a rank: {e}", values[0]))
+}
+
+/// The mock's self-description (`mock` object of its JSON answer).
+pub fn mock_info(response: &Response) -> Value {
+    let body = response.json();
+    assert!(
+        body["mock"].is_object(),
+        "response has no `mock` object: {body}"
+    );
+    body["mock"].clone()
+}
+
+/// The request headers the mock received (lower-cased names).
+pub fn upstream_headers(response: &Response) -> serde_json::Map<String, Value> {
+    mock_info(response)["headers"]
+        .as_object()
+        .cloned()
+        .unwrap_or_else(|| panic!("mock.headers missing: {}", response.text()))
+}
