@@ -154,12 +154,6 @@ fn json_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_string())
 }
 
-/// Parses a rank reported by an upstream (response header): a plain integer in range.
-pub fn rank_from_upstream(cfg: &Config, value: &[u8]) -> Option<u32> {
-    let n = crate::extract::parse_u64(crate::extract::trim_ows(value))?;
-    (n < u64::from(cfg.dp_size)).then_some(n as u32)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,13 +340,5 @@ mod tests {
         assert_eq!(resolve_key(&c, &t, &s, h, 100), None);
         t.pin(&s, h, 2, 100);
         assert_eq!(resolve_key(&c, &t, &s, h, 101), Some(2));
-    }
-
-    #[test]
-    fn upstream_rank_parsing() {
-        let c = cfg("");
-        assert_eq!(rank_from_upstream(&c, b"3"), Some(3));
-        assert_eq!(rank_from_upstream(&c, b"4"), None);
-        assert_eq!(rank_from_upstream(&c, b"x"), None);
     }
 }

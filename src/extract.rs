@@ -83,6 +83,50 @@ impl<'a> HeaderFacts<'a> {
     }
 }
 
+/// The response headers the filter cares about, collected in one pass.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ResponseFacts {
+    /// `:status`, 0 when absent or unreadable.
+    pub status: u64,
+    /// The rank the upstream reported in `learn.response_header` (valid and in range).
+    pub reported_rank: Option<u32>,
+    /// The upstream's rank header is also the echo header and holds exactly that one valid value:
+    /// the echo is already in place and need not be written again.
+    pub echo_in_place: bool,
+}
+
+impl ResponseFacts {
+    pub fn collect<'a>(
+        cfg: &Config,
+        headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> Self {
+        let mut f = ResponseFacts::default();
+        let learn = cfg.learn.response_header.as_deref().map(str::as_bytes);
+        let mut copies = 0;
+        for (name, value) in headers {
+            if name == b":status" {
+                f.status = parse_u64(trim_ows(value)).unwrap_or(0);
+            } else if learn.is_some_and(|h| name.eq_ignore_ascii_case(h)) {
+                copies += 1;
+                f.reported_rank = parse_u64(trim_ows(value))
+                    .filter(|&n| n < u64::from(cfg.dp_size))
+                    .map(|n| n as u32);
+            }
+        }
+        if copies != 1 {
+            f.reported_rank = None; // duplicated: ambiguous, so not trusted
+        }
+        f.echo_in_place = f.reported_rank.is_some()
+            && cfg.echo_header.as_deref() == cfg.learn.response_header.as_deref();
+        f
+    }
+
+    /// A 5xx (the rank's own or Envoy's for reset / connect failure / timeout) or no status.
+    pub fn failed(&self) -> bool {
+        self.status >= 500 || self.status == 0
+    }
+}
+
 /// Trims HTTP optional whitespace (space and tab) from both ends.
 pub fn trim_ows(v: &[u8]) -> &[u8] {
     let start = v
@@ -254,6 +298,35 @@ mod tests {
         assert!(!f.is_json(&c));
         let f = facts(&c, &[("content-type", "text/plain")]);
         assert!(!f.is_json(&c));
+    }
+
+    #[test]
+    fn response_facts() {
+        let c = cfg();
+        let collect = |h: &[(&str, &str)]| {
+            ResponseFacts::collect(&c, h.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())))
+        };
+        let ok = collect(&[(":status", "200"), ("x-dp-rank", "2")]);
+        assert_eq!(
+            (ok.status, ok.reported_rank, ok.echo_in_place),
+            (200, Some(2), true)
+        );
+        assert!(!ok.failed());
+        let failed = collect(&[(":status", "503")]);
+        assert!(failed.failed());
+        assert_eq!(failed.reported_rank, None);
+        let out_of_range = collect(&[(":status", "200"), ("x-dp-rank", "9")]);
+        assert_eq!(
+            (out_of_range.reported_rank, out_of_range.echo_in_place),
+            (None, false)
+        );
+        let twice = collect(&[(":status", "200"), ("x-dp-rank", "1"), ("x-dp-rank", "1")]);
+        assert_eq!((twice.reported_rank, twice.echo_in_place), (None, false));
+        assert!(collect(&[]).failed());
+
+        let renamed = Config::from_json(br#"{"dp_size":4,"echo_header":"x-served"}"#).unwrap();
+        let f = ResponseFacts::collect(&renamed, [(&b"x-dp-rank"[..], &b"1"[..])]);
+        assert_eq!((f.reported_rank, f.echo_in_place), (Some(1), false));
     }
 
     #[test]

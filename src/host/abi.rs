@@ -87,6 +87,7 @@ extern "C" {
     ) -> u32;
     fn proxy_get_current_time_nanoseconds(time: *mut u64) -> u32;
     fn proxy_get_log_level(level: *mut u32) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
 }
 
 /// Takes ownership of a host-returned buffer. The host allocates it through the SDK's
@@ -308,4 +309,10 @@ pub fn log_level() -> Result<u32, HostError> {
     // SAFETY: level is a valid local.
     check(unsafe { proxy_get_log_level(&mut level) })?;
     Ok(level)
+}
+
+/// Asks for `on_tick` every `ms` milliseconds on this root context.
+pub fn set_tick_period_ms(ms: u32) -> Result<(), HostError> {
+    // SAFETY: plain integer argument.
+    check(unsafe { proxy_set_tick_period_milliseconds(ms) })
 }

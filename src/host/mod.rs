@@ -3,6 +3,7 @@
 
 mod abi;
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use log::{debug, error, info, warn};
@@ -10,9 +11,9 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::config::Config;
-use crate::decide::{decide_body, decide_headers, rank_from_upstream, resolve_key};
+use crate::decide::{decide_body, decide_headers, resolve_key};
 use crate::decide::{Decision, HeaderStep, Reason};
-use crate::extract::{parse_u64, HeaderFacts};
+use crate::extract::{parse_u64, HeaderFacts, ResponseFacts};
 use crate::metrics::Counter;
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
@@ -38,8 +39,15 @@ impl Store for SharedData {
     }
 }
 
-/// Counter ids, one per `Counter`, defined once per VM.
-struct Counters([Option<u32>; Counter::ALL.len()]);
+/// The filter's counters for one VM (one Envoy worker).
+///
+/// Requests add to in-VM cells; `flush` hands the sums to Envoy once per tick. Every host call
+/// crosses the wasm boundary, which costs more than the rest of a request's routing work, so
+/// counting per request would double the filter's cost; stats lag by at most one tick instead.
+struct Counters {
+    ids: [Option<u32>; Counter::ALL.len()],
+    pending: [Cell<u32>; Counter::ALL.len()],
+}
 
 impl Counters {
     fn define() -> Counters {
@@ -50,19 +58,50 @@ impl Counters {
                 Err(e) => warn!("cannot define metric {}: status {}", c.name(), e.0),
             }
         }
-        Counters(ids)
+        Counters {
+            ids,
+            pending: Default::default(),
+        }
     }
 
     fn add(&self, c: Counter, by: u32) {
-        if let (Some(id), true) = (self.0[c.index()], by > 0) {
-            let _ = abi::increment(id, i64::from(by));
-        }
+        let cell = &self.pending[c.index()];
+        cell.set(cell.get().saturating_add(by));
     }
 
     fn add_table_events(&self, ev: TableEvents) {
         self.add(Counter::Evictions, ev.evictions);
         self.add(Counter::CasRetries, ev.cas_retries);
         self.add(Counter::CasExhausted, ev.cas_exhausted);
+    }
+
+    fn flush(&self) {
+        for (id, cell) in self.ids.iter().zip(&self.pending) {
+            let n = cell.replace(0);
+            if let (Some(id), true) = (id, n > 0) {
+                let _ = abi::increment(*id, i64::from(n));
+            }
+        }
+    }
+}
+
+/// How often counters are flushed and the clock is read.
+const TICK_MS: u32 = 1000;
+
+/// Unix seconds, read from the host once per tick: the table works in whole seconds, so a
+/// per-request clock call would buy nothing.
+#[derive(Default)]
+struct Clock(Cell<u32>);
+
+impl Clock {
+    fn refresh(&self) {
+        if let Ok(now) = abi::now_seconds() {
+            self.0.set(now);
+        }
+    }
+
+    fn now(&self) -> u32 {
+        self.0.get()
     }
 }
 
@@ -71,12 +110,14 @@ struct Runtime {
     cfg: Config,
     table: AffinityTable,
     counters: Rc<Counters>,
+    clock: Rc<Clock>,
 }
 
 #[derive(Default)]
 struct Root {
     runtime: Option<Rc<Runtime>>,
     counters: Option<Rc<Counters>>,
+    clock: Rc<Clock>,
 }
 
 impl Context for Root {}
@@ -96,7 +137,21 @@ impl RootContext for Root {
             });
         }
         info!("dp-affinity {} starting", env!("CARGO_PKG_VERSION"));
+        self.clock.refresh();
+        if let Err(e) = abi::set_tick_period_ms(TICK_MS) {
+            warn!(
+                "cannot set the tick period (counters will not be flushed): status {}",
+                e.0
+            );
+        }
         true
+    }
+
+    fn on_tick(&mut self) {
+        self.clock.refresh();
+        if let Some(counters) = &self.counters {
+            counters.flush();
+        }
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -128,6 +183,7 @@ impl RootContext for Root {
             cfg,
             table,
             counters,
+            clock: self.clock.clone(),
         }));
         true
     }
@@ -226,27 +282,33 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if self.routed == Routed::Unset {
-            return Action::Continue; // our own 400, or a request Envoy answered before us
-        }
-        let status = abi::header(RESPONSE_HEADERS, ":status")
-            .ok()
-            .flatten()
-            .and_then(|v| parse_u64(&v))
-            .unwrap_or(0);
-        let served = match self.routed {
-            Routed::Explicit(rank) | Routed::Pinned { rank, .. } => Some(rank),
-            Routed::Learn { .. } => self.learn_rank(),
-            // Only worth the host calls when the client is told the rank.
-            _ if self.rt.cfg.echo_header.is_some() => self.learn_rank(),
-            _ => None,
+        let echo_wanted = self.rt.cfg.echo_header.is_some();
+        // Each branch reads only what it needs: host calls are the filter's main cost.
+        let (served, echo_in_place) = match self.routed {
+            Routed::Unset => return Action::Continue, // our own 400, or answered before us
+            Routed::Explicit(rank) => (Some(rank), false),
+            Routed::Pinned { hash, rank } => {
+                let status = abi::header(RESPONSE_HEADERS, ":status").ok().flatten();
+                if status.and_then(|v| parse_u64(&v)).is_none_or(|s| s >= 500) {
+                    self.unpin(hash, rank);
+                }
+                (Some(rank), false)
+            }
+            Routed::Learn { hash } => {
+                let facts = self.response_facts();
+                let served = self.served_rank(&facts);
+                if !facts.failed() {
+                    self.learn(hash, served);
+                }
+                (served, facts.echo_in_place)
+            }
+            Routed::Balanced if echo_wanted => {
+                let facts = self.response_facts();
+                (self.served_rank(&facts), facts.echo_in_place)
+            }
+            Routed::Balanced => (None, false),
         };
-        if status >= 500 || status == 0 {
-            self.on_failure();
-        } else if let Routed::Learn { hash } = self.routed {
-            self.learn(hash, served);
-        }
-        if let (Some(echo), Some(rank)) = (&self.rt.cfg.echo_header, served) {
+        if let (Some(echo), Some(rank), false) = (&self.rt.cfg.echo_header, served, echo_in_place) {
             let _ = abi::set_header(RESPONSE_HEADERS, echo, &rank.to_string());
         }
         Action::Continue
@@ -286,9 +348,8 @@ impl Filter {
                 if too_long {
                     counters.add(Counter::KeyTooLong, 1);
                 }
-                let now = abi::now_seconds().unwrap_or(0);
                 let rt = &self.rt;
-                match resolve_key(&rt.cfg, &rt.table, &SharedData, hash, now) {
+                match resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now()) {
                     Some(rank) => {
                         counters.add(Counter::AffinityHit, 1);
                         self.route_to(rank, from_body);
@@ -342,22 +403,25 @@ impl Filter {
         }
     }
 
-    /// The rank that served a balanced request: the upstream's own report, else its address.
-    fn learn_rank(&self) -> Option<u32> {
-        let learn = &self.rt.cfg.learn;
-        if let Some(name) = &learn.response_header {
-            if let Ok(Some(v)) = abi::header(RESPONSE_HEADERS, name) {
-                if let Some(rank) = rank_from_upstream(&self.rt.cfg, &v) {
-                    return Some(rank);
-                }
-            }
+    /// `:status` and the upstream's rank report, from one read of the response headers.
+    fn response_facts(&self) -> ResponseFacts {
+        match HeaderMap::read(RESPONSE_HEADERS) {
+            Ok(headers) => ResponseFacts::collect(&self.rt.cfg, headers.pairs()),
+            Err(_) => ResponseFacts::default(),
         }
-        if learn.upstream_addresses.is_empty() {
+    }
+
+    /// The rank that served a balanced request: the upstream's own report, else its address.
+    fn served_rank(&self, facts: &ResponseFacts) -> Option<u32> {
+        if facts.reported_rank.is_some() {
+            return facts.reported_rank;
+        }
+        let addresses = &self.rt.cfg.learn.upstream_addresses;
+        if addresses.is_empty() {
             return None;
         }
         let addr = abi::property(&["upstream", "address"]).ok().flatten()?;
-        let addr = std::str::from_utf8(&addr).ok()?;
-        learn.upstream_addresses.get(addr).copied()
+        addresses.get(std::str::from_utf8(&addr).ok()?).copied()
     }
 
     fn learn(&self, hash: u64, served: Option<u32>) {
@@ -366,8 +430,10 @@ impl Filter {
             counters.add(Counter::LearnUnknown, 1);
             return;
         };
-        let now = abi::now_seconds().unwrap_or(0);
-        let events = self.rt.table.pin(&SharedData, hash, rank, now);
+        let events = self
+            .rt
+            .table
+            .pin(&SharedData, hash, rank, self.rt.clock.now());
         counters.add_table_events(events);
         if events.cas_exhausted == 0 {
             counters.add(Counter::Learned, 1);
@@ -375,16 +441,12 @@ impl Filter {
     }
 
     /// A request sent to a pinned rank failed: drop the pin so the next turn is balanced again.
-    fn on_failure(&mut self) {
-        if let Routed::Pinned { hash, rank } = self.routed {
-            let (removed, events) = self.rt.table.unpin(&SharedData, hash, rank);
-            self.rt.counters.add_table_events(events);
-            if removed {
-                self.rt.counters.add(Counter::Unpinned, 1);
-                info!("[{}] rank {rank} failed; key unpinned", self.id);
-            }
-            // At most once per request.
-            self.routed = Routed::Balanced;
+    fn unpin(&self, hash: u64, rank: u32) {
+        let (removed, events) = self.rt.table.unpin(&SharedData, hash, rank);
+        self.rt.counters.add_table_events(events);
+        if removed {
+            self.rt.counters.add(Counter::Unpinned, 1);
+            info!("[{}] rank {rank} failed; key unpinned", self.id);
         }
     }
 }
