@@ -9,6 +9,7 @@ use std::fmt;
 
 use serde_json::Value;
 
+use crate::assign::Mode;
 use crate::hash::KeyedHasher;
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
@@ -22,6 +23,7 @@ pub const MAX_DP_SIZE: u32 = 4096;
 #[derive(Debug, Default)]
 struct RawConfig {
     dp_size: Option<u32>,
+    assign: RawAssign,
     explicit_rank: RawExplicitRank,
     routing_key: RawRoutingKey,
     body: RawBody,
@@ -99,15 +101,42 @@ impl Default for RawBody {
 
 #[derive(Debug)]
 struct RawTarget {
+    mode: String,
     cluster_header: String,
     cluster_template: String,
+    engine_header: String,
 }
 
 impl Default for RawTarget {
     fn default() -> Self {
         RawTarget {
+            mode: "cluster".into(),
             cluster_header: "x-dp-affinity-cluster".into(),
             cluster_template: "dp-rank-{rank}".into(),
+            engine_header: "x-data-parallel-rank".into(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RawAssign {
+    mode: String,
+    seed: String,
+    load_factor: f64,
+    pinned_load_factor: f64,
+    cooldown_seconds: u32,
+    room_field: String,
+}
+
+impl Default for RawAssign {
+    fn default() -> Self {
+        RawAssign {
+            mode: "envoy".into(),
+            seed: String::new(),
+            load_factor: 1.25,
+            pinned_load_factor: 2.0,
+            cooldown_seconds: 10,
+            room_field: "bootstrap_room".into(),
         }
     }
 }
@@ -163,6 +192,7 @@ fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
     let mut raw = RawConfig::default();
     let top = [
         "dp_size",
+        "assign",
         "explicit_rank",
         "routing_key",
         "body",
@@ -174,6 +204,7 @@ fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
     fields("", v, &top, |name, path, v| {
         match name {
             "dp_size" => raw.dp_size = Some(as_u32(path, v)?),
+            "assign" => read_assign(path, v, &mut raw.assign)?,
             "explicit_rank" => read_explicit(path, v, &mut raw.explicit_rank)?,
             "routing_key" => read_key(path, v, &mut raw.routing_key)?,
             "body" => read_body(path, v, &mut raw.body)?,
@@ -235,11 +266,40 @@ fn read_body(path: &str, v: &Value, r: &mut RawBody) -> Result<(), ConfigError> 
 }
 
 fn read_target(path: &str, v: &Value, r: &mut RawTarget) -> Result<(), ConfigError> {
-    let names = ["cluster_header", "cluster_template"];
+    let names = [
+        "mode",
+        "cluster_header",
+        "cluster_template",
+        "engine_header",
+    ];
     fields(path, v, &names, |name, path, v| {
         match name {
+            "mode" => r.mode = as_string(path, v)?,
             "cluster_header" => r.cluster_header = as_string(path, v)?,
-            _ => r.cluster_template = as_string(path, v)?,
+            "cluster_template" => r.cluster_template = as_string(path, v)?,
+            _ => r.engine_header = as_string(path, v)?,
+        }
+        Ok(())
+    })
+}
+
+fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigError> {
+    let names = [
+        "mode",
+        "seed",
+        "load_factor",
+        "pinned_load_factor",
+        "cooldown_seconds",
+        "room_field",
+    ];
+    fields(path, v, &names, |name, path, v| {
+        match name {
+            "mode" => r.mode = as_string(path, v)?,
+            "seed" => r.seed = as_string(path, v)?,
+            "load_factor" => r.load_factor = as_f64(path, v)?,
+            "pinned_load_factor" => r.pinned_load_factor = as_f64(path, v)?,
+            "cooldown_seconds" => r.cooldown_seconds = as_u32(path, v)?,
+            _ => r.room_field = as_string(path, v)?,
         }
         Ok(())
     })
@@ -352,6 +412,12 @@ fn as_u32(path: &str, v: &Value) -> Result<u32, ConfigError> {
         })
 }
 
+fn as_f64(path: &str, v: &Value) -> Result<f64, ConfigError> {
+    v.as_f64()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| err(path, format!("expected a number, got {}", type_of(v))))
+}
+
 fn as_usize(path: &str, v: &Value) -> Result<usize, ConfigError> {
     v.as_u64()
         .and_then(|n| usize::try_from(n).ok())
@@ -399,7 +465,11 @@ pub struct Config {
     pub explicit: ExplicitRankConfig,
     pub key: RoutingKeyConfig,
     pub body: BodyConfig,
-    /// Internal request header carrying the chosen cluster (lower-case).
+    pub assign: AssignConfig,
+    /// How the chosen rank reaches the engine.
+    pub target: TargetMode,
+    /// Internal request header carrying the chosen cluster (lower-case). Stripped from client
+    /// requests in every target mode.
     pub cluster_header: String,
     /// `cluster_names[rank]` is the header value for that rank.
     pub cluster_names: Vec<String>,
@@ -407,6 +477,33 @@ pub struct Config {
     /// Response header echoing the rank that served (lower-case); `None` = off.
     pub echo_header: Option<String>,
     pub table: TableConfig,
+}
+
+/// How the chosen rank reaches the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetMode {
+    /// Set the internal cluster header; a `cluster_header` route picks the rank's cluster.
+    Cluster,
+    /// One engine with internal DP: set this request header (lower-case) to the rank.
+    EngineHeader(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct AssignConfig {
+    pub mode: Mode,
+    /// Rendezvous seed (a hash of `assign.seed`): replicas with the same seed agree.
+    pub seed: u64,
+    pub load_factor: f64,
+    pub pinned_load_factor: f64,
+    pub cooldown_seconds: u32,
+    pub room_field: String,
+}
+
+impl AssignConfig {
+    /// Whether requests are counted in flight per rank (the assigners that read load need it).
+    pub fn tracks_load(&self) -> bool {
+        self.mode != Mode::Envoy
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -501,14 +598,17 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     }
     let explicit = compile_explicit(raw.explicit_rank)?;
     let key = compile_key(raw.routing_key)?;
-    let body = compile_body(raw.body, &explicit, &key)?;
-    let (cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
+    let assign = compile_assign(raw.assign)?;
+    let body = compile_body(raw.body, &explicit, &key, &assign)?;
+    let (target, cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
     let learn = compile_learn(raw.learn, dp_size)?;
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
     let table = compile_table(raw.table)?;
     Ok(Config {
         dp_size,
+        assign,
+        target,
         explicit,
         key,
         body,
@@ -546,10 +646,49 @@ fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
     })
 }
 
+fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
+    let mode = match raw.mode.as_str() {
+        "envoy" => Mode::Envoy,
+        "hash" => Mode::Hash,
+        "least_inflight" => Mode::LeastInflight,
+        "round_robin" => Mode::RoundRobin,
+        "bootstrap_room" => Mode::BootstrapRoom,
+        other => {
+            return Err(err(
+                "assign.mode",
+                format!(
+                    "must be one of envoy, hash, least_inflight, round_robin, bootstrap_room; got {other:?}"
+                ),
+            ))
+        }
+    };
+    if !(1.0..=100.0).contains(&raw.load_factor) {
+        return Err(err("assign.load_factor", "must be in 1.0..=100.0"));
+    }
+    if !(raw.load_factor..=100.0).contains(&raw.pinned_load_factor) {
+        return Err(err(
+            "assign.pinned_load_factor",
+            "must be in assign.load_factor..=100.0",
+        ));
+    }
+    if raw.room_field.is_empty() {
+        return Err(err("assign.room_field", "must be non-empty"));
+    }
+    Ok(AssignConfig {
+        mode,
+        seed: KeyedHasher::from_seed(b"").hash(raw.seed.as_bytes()),
+        load_factor: raw.load_factor,
+        pinned_load_factor: raw.pinned_load_factor,
+        cooldown_seconds: raw.cooldown_seconds,
+        room_field: raw.room_field,
+    })
+}
+
 fn compile_body(
     raw: RawBody,
     explicit: &ExplicitRankConfig,
     key: &RoutingKeyConfig,
+    assign: &AssignConfig,
 ) -> Result<BodyConfig, ConfigError> {
     if raw.max_bytes == 0 {
         return Err(err("body.max_bytes", "must be at least 1"));
@@ -580,6 +719,15 @@ fn compile_body(
         wanted_fields.extend(explicit.body_fields.iter().cloned());
     }
     wanted_fields.extend(key.body_fields.iter().cloned());
+    if assign.mode == Mode::BootstrapRoom {
+        if wanted_fields.contains(&assign.room_field) {
+            return Err(err(
+                "assign.room_field",
+                format!("{:?} is also a rank or key body field", assign.room_field),
+            ));
+        }
+        wanted_fields.push(assign.room_field.clone());
+    }
     Ok(BodyConfig {
         max_bytes: raw.max_bytes,
         content_types,
@@ -587,7 +735,22 @@ fn compile_body(
     })
 }
 
-fn compile_target(raw: RawTarget, dp_size: u32) -> Result<(String, Vec<String>), ConfigError> {
+fn compile_target(
+    raw: RawTarget,
+    dp_size: u32,
+) -> Result<(TargetMode, String, Vec<String>), ConfigError> {
+    let mode = match raw.mode.as_str() {
+        "cluster" => TargetMode::Cluster,
+        "engine_header" => {
+            TargetMode::EngineHeader(header_name("target.engine_header", &raw.engine_header)?)
+        }
+        other => {
+            return Err(err(
+                "target.mode",
+                format!("must be \"cluster\" or \"engine_header\", got {other:?}"),
+            ))
+        }
+    };
     let header = header_name("target.cluster_header", &raw.cluster_header)?;
     if !raw.cluster_template.contains("{rank}") {
         return Err(err(
@@ -604,7 +767,7 @@ fn compile_target(raw: RawTarget, dp_size: u32) -> Result<(String, Vec<String>),
             format!("gives {bad:?}, which is not a valid header value"),
         ));
     }
-    Ok((header, names))
+    Ok((mode, header, names))
 }
 
 fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
@@ -721,6 +884,35 @@ mod tests {
         assert_eq!(c.echo_header.as_deref(), Some("x-dp-rank"));
         assert_eq!((c.table.buckets, c.table.ways), (65_536, 16));
         assert_eq!(c.table.ttl_seconds, 3600);
+        assert_eq!(c.assign.mode, Mode::Envoy);
+        assert!(!c.assign.tracks_load());
+        assert_eq!(
+            (c.assign.load_factor, c.assign.pinned_load_factor),
+            (1.25, 2.0)
+        );
+        assert_eq!(c.assign.cooldown_seconds, 10);
+        assert_eq!(c.target, TargetMode::Cluster);
+    }
+
+    #[test]
+    fn assign_and_target_modes() {
+        let c = parse(
+            r#"{"dp_size":8,"assign":{"mode":"bootstrap_room","seed":"s","load_factor":1.5},
+                "target":{"mode":"engine_header"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.assign.mode, Mode::BootstrapRoom);
+        assert!(c.assign.tracks_load());
+        assert_eq!(
+            c.target,
+            TargetMode::EngineHeader("x-data-parallel-rank".into())
+        );
+        assert_eq!(
+            c.body.wanted_fields.last().map(String::as_str),
+            Some("bootstrap_room")
+        );
+        let other_seed = parse(r#"{"dp_size":8,"assign":{"mode":"hash","seed":"t"}}"#).unwrap();
+        assert_ne!(c.assign.seed, other_seed.assign.seed);
     }
 
     #[test]
@@ -787,6 +979,28 @@ mod tests {
                 "learn.upstream_addresses",
             ),
             (r#"not json"#, "configuration"),
+            (r#"{"dp_size":4,"assign":{"mode":"random"}}"#, "assign.mode"),
+            (
+                r#"{"dp_size":4,"assign":{"load_factor":0.9}}"#,
+                "assign.load_factor",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"load_factor":"x"}}"#,
+                "assign.load_factor",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"load_factor":1.5,"pinned_load_factor":1.2}}"#,
+                "assign.pinned_load_factor",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"mode":"bootstrap_room","room_field":"user"}}"#,
+                "assign.room_field",
+            ),
+            (r#"{"dp_size":4,"target":{"mode":"dns"}}"#, "target.mode"),
+            (
+                r#"{"dp_size":4,"target":{"mode":"engine_header","engine_header":""}}"#,
+                "target.engine_header",
+            ),
         ];
         for (json, needle) in cases {
             let e = parse(json).expect_err(json);

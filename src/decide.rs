@@ -3,6 +3,7 @@
 //! The host layer feeds facts in and turns the returned `Decision` into header changes and local
 //! replies; nothing here performs an action.
 
+use crate::assign::{room_rank, Mode};
 use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body, HeaderFacts, RankError};
 use crate::table::{AffinityTable, Lookup, Store};
@@ -36,6 +37,8 @@ pub struct Rejection {
 pub enum Decision {
     /// Send to this rank (explicit).
     Rank(u32),
+    /// Send to this rank by SGLang's bootstrap-room rule (`bootstrap_room` mode).
+    Room(u32),
     /// A routing key: look it up in the table (see [`resolve_key`]).
     Key { hash: u64, too_long: bool },
     /// Let Envoy balance; nothing to learn.
@@ -75,28 +78,40 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
             }
         }
     }
-    if let Some((_, key)) = h.key {
+    // In bootstrap_room mode the room (a body field) outranks a key header: read the body.
+    let room_mode = cfg.assign.mode == Mode::BootstrapRoom;
+    if let Some((_, key)) = h.key.filter(|_| !room_mode) {
         return HeaderStep::Decided(key_decision(cfg, key));
     }
+    let header_key = || match h.key {
+        Some((_, key)) => key_decision(cfg, key),
+        None => Decision::Fallback(Reason::NoKey),
+    };
     if end_of_stream || cfg.body.wanted_fields.is_empty() || !h.is_json(cfg) {
-        return HeaderStep::Decided(Decision::Fallback(Reason::NoKey));
+        return HeaderStep::Decided(header_key());
     }
     if h.declared_length()
         .is_some_and(|n| n > cfg.body.max_bytes as u64)
     {
-        return HeaderStep::Decided(Decision::Fallback(Reason::BodyTooLarge));
+        return HeaderStep::Decided(match h.key {
+            Some(_) => header_key(),
+            None => Decision::Fallback(Reason::BodyTooLarge),
+        });
     }
     HeaderStep::ReadBody
 }
 
-/// Decides from a complete JSON body (only called after `ReadBody`).
-pub fn decide_body(cfg: &Config, body: &[u8]) -> Decision {
+/// Decides from a complete JSON body (only called after `ReadBody`). `header_key` is a key that
+/// came in a header (only possible in `bootstrap_room` mode, where the body is read anyway): it
+/// beats any body key.
+pub fn decide_body(cfg: &Config, body: &[u8], header_key: Option<&[u8]>) -> Decision {
+    let without_body = |reason| without_body(cfg, reason, header_key);
     if body.len() > cfg.body.max_bytes {
-        return Decision::Fallback(Reason::BodyTooLarge);
+        return without_body(Reason::BodyTooLarge);
     }
     let facts = match scan_body(cfg, body) {
         Ok(f) => f,
-        Err(_) => return Decision::Fallback(Reason::BodyMalformed),
+        Err(_) => return without_body(Reason::BodyMalformed),
     };
     match facts.rank {
         Some(Ok(rank)) => return Decision::Rank(rank),
@@ -105,9 +120,20 @@ pub fn decide_body(cfg: &Config, body: &[u8]) -> Decision {
         }
         _ => {}
     }
-    match facts.key {
-        Some(key) => key_decision(cfg, &key),
+    if let Some(room) = facts.room {
+        return Decision::Room(room_rank(room, cfg.dp_size));
+    }
+    match header_key.or(facts.key.as_deref()) {
+        Some(key) => key_decision(cfg, key),
         None => Decision::Fallback(Reason::NoKey),
+    }
+}
+
+/// The decision when the body cannot be used (`reason`): a header key if there was one.
+pub fn without_body(cfg: &Config, reason: Reason, header_key: Option<&[u8]>) -> Decision {
+    match header_key {
+        Some(key) => key_decision(cfg, key),
+        None => Decision::Fallback(reason),
     }
 }
 
@@ -290,22 +316,22 @@ mod tests {
     fn body_decisions() {
         let c = cfg("");
         assert_eq!(
-            decide_body(&c, br#"{"routed_dp_rank":3,"routing_key":"k"}"#),
+            decide_body(&c, br#"{"routed_dp_rank":3,"routing_key":"k"}"#, None),
             Decision::Rank(3)
         );
         assert!(matches!(
-            decide_body(&c, br#"{"routed_dp_rank":4}"#),
+            decide_body(&c, br#"{"routed_dp_rank":4}"#, None),
             Decision::Reject(_)
         ));
         assert_eq!(
-            decide_body(&c, br#"{"model":"m"}"#),
+            decide_body(&c, br#"{"model":"m"}"#, None),
             Decision::Fallback(Reason::NoKey)
         );
         assert_eq!(
-            decide_body(&c, br#"{"model":"#),
+            decide_body(&c, br#"{"model":"#, None),
             Decision::Fallback(Reason::BodyMalformed)
         );
-        let header_key = decide_body(&c, br#"{"routing_key":"abc"}"#);
+        let header_key = decide_body(&c, br#"{"routing_key":"abc"}"#, None);
         assert_eq!(
             header_key,
             Decision::Key {
@@ -316,19 +342,52 @@ mod tests {
         );
         let long = format!(r#"{{"user":"{}"}}"#, "x".repeat(600));
         assert!(matches!(
-            decide_body(&c, long.as_bytes()),
+            decide_body(&c, long.as_bytes(), None),
             Decision::Key { too_long: true, .. }
         ));
         let small = cfg(r#","body":{"max_bytes":10}"#);
         assert_eq!(
-            decide_body(&small, br#"{"routing_key":"abc"}"#),
+            decide_body(&small, br#"{"routing_key":"abc"}"#, None),
             Decision::Fallback(Reason::BodyTooLarge)
         );
         let ignore = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
         assert!(matches!(
-            decide_body(&ignore, br#"{"routed_dp_rank":"x","routing_key":"k"}"#),
+            decide_body(
+                &ignore,
+                br#"{"routed_dp_rank":"x","routing_key":"k"}"#,
+                None
+            ),
             Decision::Key { .. }
         ));
+    }
+
+    #[test]
+    fn room_mode_reads_the_body_even_with_a_key_header() {
+        let c = cfg(r#","assign":{"mode":"bootstrap_room"}"#);
+        let h = headers(&c, &[JSON, ("x-routing-key", "k")]);
+        assert_eq!(decide_headers(&c, &h, false), HeaderStep::ReadBody);
+        assert_eq!(
+            decide_body(&c, br#"{"bootstrap_room":6}"#, Some(b"k")),
+            Decision::Room(2)
+        );
+        let by_header = decide_body(&c, br#"{"routing_key":"body"}"#, Some(b"k"));
+        assert_eq!(
+            by_header,
+            Decision::Key {
+                hash: c.key.hasher.hash(b"k"),
+                too_long: false
+            },
+            "no room: the header key still beats the body key"
+        );
+        assert!(matches!(
+            decide_body(&c, b"{", Some(b"k")),
+            Decision::Key { .. }
+        ));
+        let explicit = headers(&c, &[JSON, ("x-data-parallel-rank", "1")]);
+        assert_eq!(
+            decide_headers(&c, &explicit, false),
+            HeaderStep::Decided(Decision::Rank(1))
+        );
     }
 
     #[test]

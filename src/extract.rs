@@ -199,6 +199,8 @@ pub struct BodyFacts<'a> {
     pub rank: Option<Result<u32, RankError>>,
     /// The routing key from the highest-priority key field holding a non-empty string.
     pub key: Option<Cow<'a, [u8]>>,
+    /// SGLang's `bootstrap_room` (only looked for in `bootstrap_room` mode): a JSON integer >= 0.
+    pub room: Option<u64>,
 }
 
 /// Scans a JSON body for the configured explicit-rank and routing-key fields.
@@ -214,20 +216,27 @@ pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, Scan
     } else {
         0
     };
+    let n_key = cfg.key.body_fields.len();
     let mut rank: Option<Result<(u32, usize), RankError>> = None;
-    let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; wanted.len() - n_rank];
+    let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; n_key];
+    let mut room = None;
     scan_top_level(body, &wanted, |idx, value| {
         if idx < n_rank {
             rank = merge_rank(cfg, rank.take(), &wanted, idx, &value);
-        } else if let Value::Str(s) = value {
-            if !s.is_empty() {
-                keys[idx - n_rank] = Some(s);
+        } else if idx < n_rank + n_key {
+            if let Value::Str(s) = value {
+                if !s.is_empty() {
+                    keys[idx - n_rank] = Some(s);
+                }
             }
+        } else if let Value::Number(raw) = value {
+            room = parse_u64(raw); // not an integer >= 0: no room
         }
     })?;
     Ok(BodyFacts {
         rank: rank.map(|r| r.map(|(n, _)| n)),
         key: keys.into_iter().flatten().next(),
+        room,
     })
 }
 
@@ -426,6 +435,22 @@ mod tests {
         let b = body(&c, r#"{"routed_dp_rank":9,"routing_key":"k"}"#);
         assert_eq!(b.rank, None);
         assert_eq!(b.key.as_deref(), Some(&b"k"[..]));
+    }
+
+    #[test]
+    fn bootstrap_room_only_in_room_mode() {
+        let c = Config::from_json(br#"{"dp_size":4,"assign":{"mode":"bootstrap_room"}}"#).unwrap();
+        let b = scan_body(&c, br#"{"bootstrap_room":10,"routing_key":"k"}"#).unwrap();
+        assert_eq!((b.room, b.key.as_deref()), (Some(10), Some(&b"k"[..])));
+        for bad in [
+            r#"{"bootstrap_room":-1}"#,
+            r#"{"bootstrap_room":"1"}"#,
+            r#"{"bootstrap_room":1.5}"#,
+        ] {
+            assert_eq!(scan_body(&c, bad.as_bytes()).unwrap().room, None, "{bad}");
+        }
+        let plain = body(&cfg(), r#"{"bootstrap_room":10}"#);
+        assert_eq!(plain.room, None);
     }
 
     #[test]

@@ -5,12 +5,14 @@
 //! plain Rust, tested natively. Only `host` touches the proxy-wasm SDK, and it is compiled for the
 //! wasm target alone.
 
+pub mod assign;
 pub mod config;
 pub mod decide;
 pub mod extract;
 pub mod hash;
 pub mod json_scan;
 pub mod metrics;
+pub mod ranks;
 pub mod table;
 
 #[cfg(target_arch = "wasm32")]

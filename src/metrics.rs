@@ -19,10 +19,15 @@ pub enum Counter {
     Evictions,
     CasRetries,
     CasExhausted,
+    Assigned,
+    Moved,
+    Room,
+    RankCooldown,
+    NoUsableRank,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 15] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -38,6 +43,11 @@ impl Counter {
         Counter::Evictions,
         Counter::CasRetries,
         Counter::CasExhausted,
+        Counter::Assigned,
+        Counter::Moved,
+        Counter::Room,
+        Counter::RankCooldown,
+        Counter::NoUsableRank,
     ];
 
     /// The metric name as defined with the host.
@@ -58,6 +68,11 @@ impl Counter {
             Counter::Evictions => "dp_affinity.evictions",
             Counter::CasRetries => "dp_affinity.cas_retries",
             Counter::CasExhausted => "dp_affinity.cas_exhausted",
+            Counter::Assigned => "dp_affinity.assigned",
+            Counter::Moved => "dp_affinity.moved",
+            Counter::Room => "dp_affinity.bootstrap_room",
+            Counter::RankCooldown => "dp_affinity.rank_cooldown",
+            Counter::NoUsableRank => "dp_affinity.no_usable_rank",
         }
     }
 

@@ -10,11 +10,13 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::config::Config;
-use crate::decide::{decide_body, decide_headers, resolve_key};
+use crate::assign::{choose_hash, choose_least_inflight, choose_round_robin, keep_pin, Mode};
+use crate::config::{Config, TargetMode};
+use crate::decide::{decide_body, decide_headers, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Reason};
 use crate::extract::{parse_u64, HeaderFacts, ResponseFacts};
 use crate::metrics::Counter;
+use crate::ranks::{BoardEvents, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
 
@@ -75,6 +77,11 @@ impl Counters {
         self.add(Counter::CasExhausted, ev.cas_exhausted);
     }
 
+    fn add_board_events(&self, ev: BoardEvents) {
+        self.add(Counter::CasRetries, ev.cas_retries);
+        self.add(Counter::CasExhausted, ev.cas_exhausted);
+    }
+
     fn flush(&self) {
         for (id, cell) in self.ids.iter().zip(&self.pending) {
             let n = cell.replace(0);
@@ -109,8 +116,11 @@ impl Clock {
 struct Runtime {
     cfg: Config,
     table: AffinityTable,
+    board: RankBoard,
     counters: Rc<Counters>,
     clock: Rc<Clock>,
+    /// Per-VM turn counter for round robin and for rotating least-in-flight ties.
+    turn: Cell<u32>,
 }
 
 #[derive(Default)]
@@ -171,6 +181,10 @@ impl RootContext for Root {
         };
         let table = AffinityTable::new(cfg.table.clone());
         let created = table.ensure_buckets(&SharedData);
+        let board = RankBoard::new(&cfg.table.namespace, cfg.dp_size, cfg.table.cas_retries);
+        if cfg.assign.tracks_load() {
+            board.ensure(&SharedData);
+        }
         let counters = self
             .counters
             .get_or_insert_with(|| Rc::new(Counters::define()))
@@ -182,8 +196,10 @@ impl RootContext for Root {
         self.runtime = Some(Rc::new(Runtime {
             cfg,
             table,
+            board,
             counters,
             clock: self.clock.clone(),
+            turn: Cell::new(self.clock.now()),
         }));
         true
     }
@@ -195,7 +211,9 @@ impl RootContext for Root {
             id: context_id,
             awaiting_body: false,
             body_size: 0,
+            header_key: None,
             routed: Routed::Unset,
+            acquired: None,
         }))
     }
 
@@ -209,13 +227,13 @@ impl RootContext for Root {
 enum Routed {
     /// Not decided (still reading the body, or answered locally).
     Unset,
-    /// The client named the rank.
-    Explicit(u32),
-    /// The key was pinned to this rank.
+    /// Sent to a rank with no key to pin (explicit, bootstrap room, or a keyless placement).
+    Direct(u32),
+    /// The key is pinned to this rank (it was, or the filter just placed it there).
     Pinned { hash: u64, rank: u32 },
-    /// The key was not pinned: learn the rank from the response.
+    /// The key was not pinned and Envoy balances: learn the rank from the response.
     Learn { hash: u64 },
-    /// No key: Envoy balances, nothing to learn.
+    /// No key and Envoy balances: nothing to learn.
     Balanced,
 }
 
@@ -224,7 +242,11 @@ struct Filter {
     id: u32,
     awaiting_body: bool,
     body_size: usize,
+    /// A key from a header, kept while the body is read (`bootstrap_room` mode only).
+    header_key: Option<Vec<u8>>,
     routed: Routed,
+    /// The rank this request is counted in flight on, released when the stream ends.
+    acquired: Option<u32>,
 }
 
 impl Context for Filter {}
@@ -238,12 +260,13 @@ impl HttpContext for Filter {
                 return Action::Continue;
             }
         };
-        let cfg = &self.rt.cfg;
+        let rt = self.rt.clone();
+        let cfg = &rt.cfg;
         let facts = HeaderFacts::collect(cfg, headers.pairs());
         if facts.has_cluster_header {
             // Only the filter may choose a cluster: drop the client's copy before routing.
             let _ = abi::remove_header(REQUEST_HEADERS, &cfg.cluster_header);
-            self.rt.counters.add(Counter::ClusterHeaderStripped, 1);
+            rt.counters.add(Counter::ClusterHeaderStripped, 1);
         }
         if !cfg.explicit.enabled && facts.explicit.is_some() {
             // The override is off: the engine behind must not see the client's rank either.
@@ -252,6 +275,7 @@ impl HttpContext for Filter {
         match decide_headers(cfg, &facts, end_of_stream) {
             HeaderStep::ReadBody => {
                 self.awaiting_body = true;
+                self.header_key = facts.key.map(|(_, k)| k.to_vec());
                 Action::Pause
             }
             HeaderStep::Decided(d) => self.apply(d, false),
@@ -265,7 +289,12 @@ impl HttpContext for Filter {
         self.body_size = body_size;
         if body_size > self.rt.cfg.body.max_bytes {
             self.awaiting_body = false;
-            return self.apply(Decision::Fallback(Reason::BodyTooLarge), true);
+            let d = without_body(
+                &self.rt.cfg,
+                Reason::BodyTooLarge,
+                self.header_key.as_deref(),
+            );
+            return self.apply(d, true);
         }
         if !end_of_stream {
             return Action::Pause; // buffer until the whole body is here
@@ -283,14 +312,22 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let echo_wanted = self.rt.cfg.echo_header.is_some();
+        let tracks_load = self.rt.cfg.assign.tracks_load();
         // Each branch reads only what it needs: host calls are the filter's main cost.
         let (served, echo_in_place) = match self.routed {
             Routed::Unset => return Action::Continue, // our own 400, or answered before us
-            Routed::Explicit(rank) => (Some(rank), false),
+            Routed::Direct(rank) => {
+                if tracks_load && self.response_failed() {
+                    self.cool_down(rank);
+                }
+                (Some(rank), false)
+            }
             Routed::Pinned { hash, rank } => {
-                let status = abi::header(RESPONSE_HEADERS, ":status").ok().flatten();
-                if status.and_then(|v| parse_u64(&v)).is_none_or(|s| s >= 500) {
+                if self.response_failed() {
                     self.unpin(hash, rank);
+                    if tracks_load {
+                        self.cool_down(rank);
+                    }
                 }
                 (Some(rank), false)
             }
@@ -314,59 +351,77 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    // No `on_log` unpinning: an upstream reset, connect failure or timeout reaches the response
-    // callback as Envoy's own 503/504. A stream that ends with no response at all is a client
-    // that went away (e.g. a cancelled generation), which says nothing about the rank.
+    fn on_log(&mut self) {
+        // The stream is over, whatever happened to it (answer, reset, timeout, client gone):
+        // the request no longer loads its rank.
+        if let Some(rank) = self.acquired.take() {
+            let events = self.rt.board.release(&SharedData, rank);
+            self.rt.counters.add_board_events(events);
+        }
+    }
 }
 
 impl Filter {
     fn decide_from_body(&mut self) -> Action {
         self.awaiting_body = false;
-        match abi::request_body(0, self.body_size) {
-            Ok(body) => {
-                let d = decide_body(&self.rt.cfg, &body);
-                self.apply(d, true)
-            }
+        let header_key = self.header_key.take();
+        let decision = match abi::request_body(0, self.body_size) {
+            Ok(body) => decide_body(&self.rt.cfg, &body, header_key.as_deref()),
             Err(e) => {
                 warn!("[{}] cannot read request body: status {}", self.id, e.0);
-                self.apply(Decision::Fallback(Reason::NoKey), true)
+                without_body(&self.rt.cfg, Reason::NoKey, header_key.as_deref())
             }
-        }
+        };
+        self.apply(decision, true)
     }
 
     /// Carries out a decision. `from_body`: the headers were paused, so the route must be
     /// recomputed after setting the cluster header.
     fn apply(&mut self, decision: Decision, from_body: bool) -> Action {
-        let counters = self.rt.counters.clone();
+        let rt = self.rt.clone();
         match decision {
             Decision::Rank(rank) => {
-                counters.add(Counter::Explicit, 1);
-                self.route_to(rank, from_body);
-                self.routed = Routed::Explicit(rank);
+                rt.counters.add(Counter::Explicit, 1);
+                self.send_direct(rank, from_body);
+            }
+            Decision::Room(rank) => {
+                rt.counters.add(Counter::Room, 1);
+                self.send_direct(rank, from_body);
             }
             Decision::Key { hash, too_long } => {
                 if too_long {
-                    counters.add(Counter::KeyTooLong, 1);
+                    rt.counters.add(Counter::KeyTooLong, 1);
                 }
-                let rt = &self.rt;
-                match resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now()) {
-                    Some(rank) => {
-                        counters.add(Counter::AffinityHit, 1);
-                        self.route_to(rank, from_body);
-                        self.routed = Routed::Pinned { hash, rank };
-                    }
-                    None => {
-                        counters.add(Counter::AffinityMiss, 1);
-                        self.routed = Routed::Learn { hash };
-                    }
+                let pinned = resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
+                if rt.cfg.assign.tracks_load() {
+                    self.place_key(hash, pinned, from_body);
+                } else if let Some(rank) = pinned {
+                    rt.counters.add(Counter::AffinityHit, 1);
+                    self.route_to(rank, from_body);
+                    self.routed = Routed::Pinned { hash, rank };
+                } else {
+                    rt.counters.add(Counter::AffinityMiss, 1);
+                    self.routed = Routed::Learn { hash };
                 }
             }
             Decision::Fallback(reason) => {
-                counters.add(fallback_counter(reason), 1);
+                rt.counters.add(fallback_counter(reason), 1);
                 self.routed = Routed::Balanced;
+                if rt.cfg.assign.tracks_load() {
+                    let (rank, events) = rt.board.acquire(&SharedData, |st| self.place(st, None));
+                    rt.counters.add_board_events(events);
+                    match rank {
+                        Some(rank) => {
+                            self.acquired = Some(rank);
+                            self.route_to(rank, from_body);
+                            self.routed = Routed::Direct(rank);
+                        }
+                        None => rt.counters.add(Counter::NoUsableRank, 1),
+                    }
+                }
             }
             Decision::Reject(rejection) => {
-                counters.add(Counter::InvalidRank, 1);
+                rt.counters.add(Counter::InvalidRank, 1);
                 debug!("[{}] rejected: {}", self.id, rejection.body);
                 let sent = abi::send_local_response(
                     rejection.status,
@@ -384,23 +439,101 @@ impl Filter {
         Action::Continue
     }
 
-    fn route_to(&self, rank: u32, from_body: bool) {
-        let cfg = &self.rt.cfg;
-        let Some(cluster) = cfg.cluster_names.get(rank as usize) else {
+    /// Sends to a rank chosen without a key (explicit, room), counting it in flight.
+    fn send_direct(&mut self, rank: u32, from_body: bool) {
+        if self.rt.cfg.assign.tracks_load() {
+            let (taken, events) = self.rt.board.acquire(&SharedData, |_| Some(rank));
+            self.rt.counters.add_board_events(events);
+            self.acquired = taken;
+        }
+        self.route_to(rank, from_body);
+        self.routed = Routed::Direct(rank);
+    }
+
+    /// Places a keyed request with the filter's own assigner: a pin stays while its rank is
+    /// usable and under the loose load bound; otherwise the key goes to its best non-full rank
+    /// and the pin follows. The choice and the in-flight count are one atomic update.
+    fn place_key(&mut self, hash: u64, pinned: Option<u32>, from_body: bool) {
+        let rt = self.rt.clone();
+        let now = rt.clock.now();
+        let mut kept = false;
+        let (rank, events) = rt.board.acquire(&SharedData, |st| {
+            kept = pinned.is_some_and(|r| keep_pin(st, now, r, rt.cfg.assign.pinned_load_factor));
+            if kept {
+                pinned
+            } else {
+                self.place(st, Some(hash))
+            }
+        });
+        rt.counters.add_board_events(events);
+        let Some(rank) = rank else {
+            // Nothing usable (or the count could not be taken): let Envoy balance and learn.
+            rt.counters.add(Counter::NoUsableRank, 1);
+            self.routed = Routed::Learn { hash };
             return;
         };
-        if let Err(e) = abi::set_header(REQUEST_HEADERS, &cfg.cluster_header, cluster) {
-            warn!(
-                "[{}] cannot set {}: status {}",
-                self.id, cfg.cluster_header, e.0
+        self.acquired = Some(rank);
+        if kept {
+            rt.counters.add(Counter::AffinityHit, 1);
+        } else {
+            let moved = pinned.is_some();
+            rt.counters.add(
+                if moved {
+                    Counter::Moved
+                } else {
+                    Counter::AffinityMiss
+                },
+                1,
             );
+            rt.counters.add(Counter::Assigned, 1);
+            rt.counters
+                .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
+        }
+        self.route_to(rank, from_body);
+        self.routed = Routed::Pinned { hash, rank };
+    }
+
+    /// The configured assigner's choice over a snapshot of rank state.
+    fn place(&self, st: &RankStates, key: Option<u64>) -> Option<u32> {
+        let a = &self.rt.cfg.assign;
+        let now = self.rt.clock.now();
+        let turn = self.rt.turn.get();
+        self.rt.turn.set(turn.wrapping_add(1));
+        match (a.mode, key) {
+            (Mode::Envoy, _) => None,
+            (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.load_factor),
+            (Mode::RoundRobin, _) => choose_round_robin(st, now, turn),
+            // Keyless requests in hash mode, and every placement in the others.
+            _ => choose_least_inflight(st, now, turn),
+        }
+    }
+
+    fn route_to(&self, rank: u32, from_body: bool) {
+        let cfg = &self.rt.cfg;
+        let (header, value) = match &cfg.target {
+            TargetMode::Cluster => match cfg.cluster_names.get(rank as usize) {
+                Some(cluster) => (cfg.cluster_header.as_str(), cluster.clone()),
+                None => return,
+            },
+            TargetMode::EngineHeader(header) => (header.as_str(), rank.to_string()),
+        };
+        if let Err(e) = abi::set_header(REQUEST_HEADERS, header, &value) {
+            warn!("[{}] cannot set {header}: status {}", self.id, e.0);
             return;
         }
-        if from_body {
+        // Only the cluster header changes the route; the engine header just rides along.
+        if from_body && cfg.target == TargetMode::Cluster {
             if let Err(e) = abi::clear_route_cache() {
                 warn!("[{}] clear_route_cache failed: status {}", self.id, e.0);
             }
         }
+    }
+
+    /// Whether the response is a failure of the rank (5xx, or Envoy's 503/504 for reset, connect
+    /// failure, timeout). One host call: only `:status` is read.
+    fn response_failed(&self) -> bool {
+        let status = abi::header(RESPONSE_HEADERS, ":status").ok().flatten();
+        status.and_then(|v| parse_u64(&v)).is_none_or(|s| s >= 500)
     }
 
     /// `:status` and the upstream's rank report, from one read of the response headers.
@@ -448,6 +581,22 @@ impl Filter {
             self.rt.counters.add(Counter::Unpinned, 1);
             info!("[{}] rank {rank} failed; key unpinned", self.id);
         }
+    }
+
+    /// Takes a failed rank out of every assigner for `assign.cooldown_seconds` (all workers).
+    fn cool_down(&self, rank: u32) {
+        let seconds = self.rt.cfg.assign.cooldown_seconds;
+        if seconds == 0 {
+            return;
+        }
+        let until = self.rt.clock.now().saturating_add(seconds);
+        let events = self.rt.board.mark_down(&SharedData, rank, until);
+        self.rt.counters.add_board_events(events);
+        self.rt.counters.add(Counter::RankCooldown, 1);
+        info!(
+            "[{}] rank {rank} failed; cooling down for {seconds}s",
+            self.id
+        );
     }
 }
 

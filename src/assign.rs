@@ -1,0 +1,252 @@
+//! Choosing a rank for a request the table does not decide: rendezvous hashing with bounded load,
+//! least in-flight, round robin, and SGLang's bootstrap-room rule.
+//!
+//! All functions are pure over a snapshot of the shared rank state (`RankStates`), so every Envoy
+//! replica with the same configuration computes the same rendezvous order without talking to the
+//! others; only the load bound depends on the replica's own view of in-flight requests.
+
+use crate::ranks::RankStates;
+
+/// How a new key (or a keyless request) is placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Envoy's load balancer picks; the filter learns the rank from the response.
+    Envoy,
+    /// Rendezvous hash of the key over usable ranks, bounded by load.
+    Hash,
+    /// The usable rank with the fewest requests in flight.
+    LeastInflight,
+    /// Usable ranks in turn.
+    RoundRobin,
+    /// `bootstrap_room % dp_size` from the body (SGLang PD); other requests as `LeastInflight`.
+    BootstrapRoom,
+}
+
+/// 64-bit finaliser (MurmurHash3 fmix64): a bijection that spreads every input bit.
+fn fmix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// Rendezvous weight of `rank` for `key`: the highest weight wins. Depends only on the seed, the
+/// key hash and the rank, so removing a rank moves only the keys whose winner it was.
+pub fn weight(seed: u64, key: u64, rank: u32) -> u64 {
+    let rank_id = fmix64(seed ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    fmix64(key ^ rank_id)
+}
+
+/// `ceil(factor × (total + 1) / usable)`, at least 1: the in-flight count at which a rank is full
+/// (the `+ 1` counts the request being placed).
+pub fn capacity(factor: f64, total: u64, usable: u32) -> u64 {
+    if usable == 0 {
+        return 0;
+    }
+    let cap = (factor * (total + 1) as f64 / f64::from(usable)).ceil();
+    if cap.is_finite() && cap >= 1.0 {
+        cap as u64
+    } else {
+        1
+    }
+}
+
+/// The rendezvous choice among usable ranks that are not full under `factor`; when every usable
+/// rank is full (only possible with `factor` < 1), the top of the order. `None` if no rank is
+/// usable.
+pub fn choose_hash(states: &RankStates, now: u32, seed: u64, key: u64, factor: f64) -> Option<u32> {
+    let (total, usable) = states.usable_load(now);
+    let cap = capacity(factor, total, usable);
+    let mut best: Option<(u64, u32)> = None; // (weight, rank) among non-full ranks
+    let mut top: Option<(u64, u32)> = None; // among all usable ranks
+    for rank in 0..states.ranks.len() as u32 {
+        if !states.usable(rank, now) {
+            continue;
+        }
+        let w = weight(seed, key, rank);
+        if top.is_none_or(|(tw, _)| w > tw) {
+            top = Some((w, rank));
+        }
+        if u64::from(states.inflight(rank)) < cap && best.is_none_or(|(bw, _)| w > bw) {
+            best = Some((w, rank));
+        }
+    }
+    best.or(top).map(|(_, r)| r)
+}
+
+/// Whether a key pinned to `rank` stays there: the rank is usable and its load is under the
+/// looser `factor` (default 2 × mean). Above it, the key moves (once: its new rank is then below).
+pub fn keep_pin(states: &RankStates, now: u32, rank: u32, factor: f64) -> bool {
+    if !states.usable(rank, now) {
+        return false;
+    }
+    let (total, usable) = states.usable_load(now);
+    u64::from(states.inflight(rank)) < capacity(factor, total, usable)
+}
+
+/// The usable rank with the fewest in flight; ties go to the first at or after `start`, so equal
+/// ranks share the work instead of rank 0 taking every tie.
+pub fn choose_least_inflight(states: &RankStates, now: u32, start: u32) -> Option<u32> {
+    let n = states.ranks.len() as u32;
+    (0..n)
+        .map(|i| (start.wrapping_add(i)) % n)
+        .filter(|&r| states.usable(r, now))
+        .min_by_key(|&r| states.inflight(r))
+}
+
+/// The first usable rank at or after `counter`.
+pub fn choose_round_robin(states: &RankStates, now: u32, counter: u32) -> Option<u32> {
+    let n = states.ranks.len() as u32;
+    (0..n)
+        .map(|i| (counter.wrapping_add(i)) % n)
+        .find(|&r| states.usable(r, now))
+}
+
+/// SGLang's PD rule: the prefill and decode legs of one request agree without a lookup. Down
+/// ranks are not skipped: skipping on one leg only would split the pair.
+pub fn room_rank(room: u64, dp_size: u32) -> u32 {
+    (room % u64::from(dp_size.max(1))) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ranks::RankLoad;
+
+    fn idle(n: usize) -> RankStates {
+        RankStates {
+            ranks: vec![RankLoad::default(); n],
+        }
+    }
+
+    fn with_load(loads: &[u32]) -> RankStates {
+        RankStates {
+            ranks: loads
+                .iter()
+                .map(|&inflight| RankLoad {
+                    inflight,
+                    down_until: 0,
+                })
+                .collect(),
+        }
+    }
+
+    fn keys(n: u64) -> impl Iterator<Item = u64> {
+        let h = crate::hash::KeyedHasher::from_seed(b"");
+        (0..n).map(move |i| h.hash(format!("conversation-{i}").as_bytes()))
+    }
+
+    #[test]
+    fn rendezvous_spreads_keys_evenly() {
+        for n in [4usize, 8, 16] {
+            let states = idle(n);
+            let mut per_rank = vec![0u32; n];
+            for k in keys(100_000) {
+                // Factor so large the bound never binds: the pure rendezvous distribution.
+                let r = choose_hash(&states, 0, 7, k, 1e9).unwrap();
+                per_rank[r as usize] += 1;
+            }
+            let max = *per_rank.iter().max().unwrap() as f64;
+            let mean = 100_000.0 / n as f64;
+            assert!(
+                max / mean <= 1.10,
+                "{n} ranks: {per_rank:?}, max/mean {}",
+                max / mean
+            );
+        }
+    }
+
+    #[test]
+    fn removing_a_rank_moves_only_its_keys() {
+        let mut states = idle(8);
+        let before: Vec<u32> = keys(20_000)
+            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .collect();
+        states.ranks[3].down_until = 100;
+        let mut moved = 0;
+        for (k, was) in keys(20_000).zip(&before) {
+            let now = choose_hash(&states, 50, 1, k, 1e9).unwrap();
+            if *was == 3 {
+                assert_ne!(now, 3);
+                moved += 1;
+            } else {
+                assert_eq!(now, *was, "a key of another rank moved");
+            }
+        }
+        assert!(moved > 0);
+        // Back after the cool-down: the same keys return.
+        for (k, was) in keys(20_000).zip(&before) {
+            assert_eq!(choose_hash(&states, 100, 1, k, 1e9).unwrap(), *was);
+        }
+    }
+
+    #[test]
+    fn seeds_change_the_order_but_replicas_agree() {
+        let states = idle(8);
+        let a: Vec<u32> = keys(1000)
+            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .collect();
+        let b: Vec<u32> = keys(1000)
+            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .collect();
+        let c: Vec<u32> = keys(1000)
+            .map(|k| choose_hash(&states, 0, 2, k, 1e9).unwrap())
+            .collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn bounded_load_skips_full_ranks() {
+        // 4 ranks, 12 in flight: cap = ceil(1.25 × 13 / 4) = 5.
+        assert_eq!(capacity(1.25, 12, 4), 5);
+        let k = keys(1).next().unwrap();
+        let first = choose_hash(&idle(4), 0, 0, k, 1.25).unwrap();
+        let mut loads = [2u32; 4];
+        loads[first as usize] = 5;
+        loads[(first as usize + 1) % 4] = 3;
+        let states = with_load(&loads);
+        let second = choose_hash(&states, 0, 0, k, 1.25).unwrap();
+        assert_ne!(second, first, "the full rank is skipped");
+        // Under the cap (10 in flight: cap = ceil(1.25 × 11 / 4) = 4), the key's own rank is kept.
+        loads[first as usize] = 3;
+        assert_eq!(choose_hash(&with_load(&loads), 0, 0, k, 1.25), Some(first));
+    }
+
+    #[test]
+    fn pins_move_only_above_the_looser_bound() {
+        // 4 ranks, 16 in flight: cap(2.0) = ceil(2 × 17 / 4) = 9.
+        let states = with_load(&[8, 4, 2, 2]);
+        assert!(keep_pin(&states, 0, 0, 2.0));
+        let states = with_load(&[9, 3, 2, 2]);
+        assert!(!keep_pin(&states, 0, 0, 2.0));
+        let mut down = with_load(&[0, 0, 0, 0]);
+        down.ranks[1].down_until = 10;
+        assert!(!keep_pin(&down, 5, 1, 2.0));
+        assert!(keep_pin(&down, 10, 1, 2.0));
+    }
+
+    #[test]
+    fn least_inflight_and_round_robin_skip_down_ranks() {
+        let mut states = with_load(&[3, 1, 1, 0]);
+        states.ranks[3].down_until = 100;
+        assert_eq!(choose_least_inflight(&states, 0, 0), Some(1));
+        assert_eq!(choose_least_inflight(&states, 0, 2), Some(2), "ties rotate");
+        assert_eq!(choose_round_robin(&states, 0, 3), Some(0));
+        assert_eq!(choose_round_robin(&states, 0, 2), Some(2));
+        for r in &mut states.ranks {
+            r.down_until = 100;
+        }
+        assert_eq!(choose_least_inflight(&states, 0, 0), None);
+        assert_eq!(choose_round_robin(&states, 0, 0), None);
+        assert_eq!(choose_hash(&states, 0, 0, 1, 1.25), None);
+    }
+
+    #[test]
+    fn room_rule() {
+        assert_eq!(room_rank(10, 4), 2);
+        assert_eq!(room_rank(u64::MAX, 7), (u64::MAX % 7) as u32);
+        assert_eq!(room_rank(5, 0), 0);
+    }
+}
