@@ -23,13 +23,6 @@ const COUNTER: u32 = 0;
 #[link(wasm_import_module = "env")]
 extern "C" {
     fn proxy_get_header_map_pairs(map: u32, data: *mut *mut u8, size: *mut usize) -> u32;
-    fn proxy_get_header_map_value(
-        map: u32,
-        key: *const u8,
-        key_len: usize,
-        data: *mut *mut u8,
-        size: *mut usize,
-    ) -> u32;
     fn proxy_replace_header_map_value(
         map: u32,
         key: *const u8,
@@ -150,19 +143,6 @@ impl HeaderMap {
 fn read_u32(raw: &[u8], at: usize) -> Option<u32> {
     let b = raw.get(at..at.checked_add(4)?)?;
     Some(u32::from_le_bytes(b.try_into().ok()?))
-}
-
-/// One header value; `Ok(None)` when absent.
-pub fn header(map: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
-    let (mut data, mut size) = (null_mut(), 0usize);
-    // SAFETY: name outlives the call; out-pointers are valid locals.
-    let status =
-        unsafe { proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size) };
-    match status {
-        OK => Ok(Some(unsafe { take(data, size) })),
-        NOT_FOUND => Ok(None),
-        s => Err(HostError(s)),
-    }
 }
 
 /// Sets (replaces) a header.

@@ -14,7 +14,7 @@ use crate::assign::{choose_hash, choose_least_inflight, choose_round_robin, keep
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body, decide_headers, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Reason};
-use crate::extract::{parse_u64, HeaderFacts, ResponseFacts};
+use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::metrics::Counter;
 use crate::ranks::{BoardEvents, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -316,20 +316,32 @@ impl HttpContext for Filter {
         // Each branch reads only what it needs: host calls are the filter's main cost.
         let (served, echo_in_place) = match self.routed {
             Routed::Unset => return Action::Continue, // our own 400, or answered before us
+            // Nothing to learn or to unpin: no read at all, just the echo.
+            Routed::Direct(rank) if !tracks_load => (Some(rank), false),
             Routed::Direct(rank) => {
-                if tracks_load && self.response_failed() {
+                let facts = self.response_facts();
+                if facts.failed() {
                     self.cool_down(rank);
                 }
-                (Some(rank), false)
+                (
+                    Some(rank),
+                    facts.echo_in_place && facts.reported_rank == Some(rank),
+                )
             }
             Routed::Pinned { hash, rank } => {
-                if self.response_failed() {
+                // One read gives both the status and whether the upstream already reports the
+                // rank under the echo header's name (then the echo costs no write).
+                let facts = self.response_facts();
+                if facts.failed() {
                     self.unpin(hash, rank);
                     if tracks_load {
                         self.cool_down(rank);
                     }
                 }
-                (Some(rank), false)
+                (
+                    Some(rank),
+                    facts.echo_in_place && facts.reported_rank == Some(rank),
+                )
             }
             Routed::Learn { hash } => {
                 let facts = self.response_facts();
@@ -527,13 +539,6 @@ impl Filter {
                 warn!("[{}] clear_route_cache failed: status {}", self.id, e.0);
             }
         }
-    }
-
-    /// Whether the response is a failure of the rank (5xx, or Envoy's 503/504 for reset, connect
-    /// failure, timeout). One host call: only `:status` is read.
-    fn response_failed(&self) -> bool {
-        let status = abi::header(RESPONSE_HEADERS, ":status").ok().flatten();
-        status.and_then(|v| parse_u64(&v)).is_none_or(|s| s >= 500)
     }
 
     /// `:status` and the upstream's rank report, from one read of the response headers.
