@@ -3,6 +3,9 @@
 //! Every JSON answer carries a `mock` object describing what actually reached
 //! this upstream (rank, path, body length and FNV-1a 64, headers) so the
 //! end-to-end tests can assert on the proxy's effect without a packet capture.
+//! LLM answers add `inflight` / `max_inflight`, and GET /mock/stats reports the
+//! per-rank counters (see `stats`). In engine mode (`--engine`) LLM requests
+//! are first dispatched to an internal rank (see `engine`).
 
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,9 +14,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use crate::cli::Config;
+use crate::cli::{Config, Mode};
+use crate::engine::{self, RoundRobin};
 use crate::fnv::fnv1a64_hex;
-use crate::http::{self, BodyStream, Request, ResponseMeta};
+use crate::http::{self, BodyStream, Head, Request, ResponseMeta};
+use crate::stats::RankStats;
 
 const DEFAULT_MODEL: &str = "mock-model";
 /// Tokens (= SSE events) produced when the request does not ask for a count.
@@ -36,6 +41,8 @@ enum Route {
     Health,
     Models,
     Llm(Api),
+    Stats,
+    ResetStats,
     MethodNotAllowed,
     NotFound,
 }
@@ -49,33 +56,137 @@ fn route(method: &str, path: &str) -> Route {
         "/v1/chat/completions" if post => Route::Llm(Api::Chat),
         "/v1/completions" if post => Route::Llm(Api::Completion),
         "/generate" if post => Route::Llm(Api::Generate),
-        "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/generate" => {
-            Route::MethodNotAllowed
-        }
+        "/mock/stats" if read => Route::Stats,
+        "/mock/reset-stats" if post => Route::ResetStats,
+        "/health"
+        | "/v1/models"
+        | "/v1/chat/completions"
+        | "/v1/completions"
+        | "/generate"
+        | "/mock/stats"
+        | "/mock/reset-stats" => Route::MethodNotAllowed,
         _ => Route::NotFound,
     }
 }
 
+/// The configuration plus the shared state of the running mock.
+#[derive(Debug)]
+pub struct Server {
+    cfg: Config,
+    /// One entry per rank served: `[--rank]`, or internal ranks 0..dp_size.
+    ranks: Vec<RankStats>,
+    round_robin: RoundRobin,
+}
+
+impl Server {
+    pub fn new(cfg: Config) -> Self {
+        let ranks = (0..cfg.dp_size()).map(|_| RankStats::default()).collect();
+        Server {
+            cfg,
+            ranks,
+            round_robin: RoundRobin::default(),
+        }
+    }
+
+    /// The rank every answer reports: the `--rank`, or `None` for an engine,
+    /// whose answers name a rank only once a request is dispatched to one.
+    pub fn fixed_rank(&self) -> Option<u32> {
+        match self.cfg.mode {
+            Mode::Rank(rank) => Some(rank),
+            Mode::Engine { .. } => None,
+        }
+    }
+
+    /// `(rank as reported, counters)` of every rank served.
+    fn ranks(&self) -> impl Iterator<Item = (u32, &RankStats)> {
+        let fixed = self.fixed_rank();
+        (0u32..)
+            .zip(&self.ranks)
+            .map(move |(i, stats)| (fixed.unwrap_or(i), stats))
+    }
+
+    /// Counters of `rank`, which `dispatch` returned.
+    fn stats_of(&self, rank: u32) -> &RankStats {
+        let index = match self.cfg.mode {
+            Mode::Rank(_) => 0,
+            Mode::Engine { .. } => rank as usize,
+        };
+        &self.ranks[index]
+    }
+
+    /// The rank that serves an LLM request: the `--rank`; for an engine the
+    /// valid `x-data-parallel-rank`, else the next rank round robin. `Err`
+    /// (answered 400) when the header is present but invalid.
+    fn dispatch(&self, head: &Head) -> Result<u32, String> {
+        match self.cfg.mode {
+            Mode::Rank(rank) => Ok(rank),
+            Mode::Engine { dp_size } => Ok(engine::requested_rank(&head.headers, dp_size)?
+                .unwrap_or_else(|| self.round_robin.pick(dp_size))),
+        }
+    }
+
+    fn stats_json(&self) -> Value {
+        let per_rank: Vec<Value> = self
+            .ranks()
+            .map(|(rank, stats)| {
+                let s = stats.snapshot();
+                json!({
+                    "rank": rank,
+                    "requests": s.requests,
+                    "inflight": s.inflight,
+                    "max_inflight": s.max_inflight,
+                })
+            })
+            .collect();
+        json!({
+            "rank": self.fixed_rank(),
+            "engine": self.fixed_rank().is_none(),
+            "dp_size": self.cfg.dp_size(),
+            "per_rank": per_rank,
+        })
+    }
+
+    /// Zeroes the counters and restarts the engine's round robin at rank 0.
+    fn reset_stats(&self) {
+        for stats in &self.ranks {
+            stats.reset();
+        }
+        self.round_robin.reset();
+    }
+}
+
 /// Answers one parsed request. Returns whether the connection may be reused.
-pub fn respond<W: Write>(w: &mut W, cfg: &Config, req: &Request) -> io::Result<bool> {
-    let meta = ResponseMeta::for_request(cfg.rank, &req.head);
+pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<bool> {
+    let rank = srv.fixed_rank();
+    let meta = ResponseMeta::for_request(rank, &req.head);
     match route(&req.head.method, req.head.path()) {
         Route::Health => http::write_response(w, &meta, 200, "text/plain", b"ok"),
-        Route::Models => write_json(w, &meta, 200, &models(cfg.rank, req)),
-        Route::Llm(api) => serve_llm(w, cfg, &meta, req, api),
+        Route::Models => write_json(w, &meta, 200, &models(srv, req)),
+        Route::Llm(api) => match srv.dispatch(&req.head) {
+            Ok(rank) => serve_llm(w, srv, rank, req, api),
+            Err(msg) => {
+                let body = error_json(rank, &msg, "invalid_request_error");
+                write_json(w, &meta, 400, &with_mock(body, srv, req))
+            }
+        },
+        Route::Stats => write_json(w, &meta, 200, &srv.stats_json()),
+        Route::ResetStats => {
+            srv.reset_stats();
+            write_json(w, &meta, 200, &srv.stats_json())
+        }
         Route::MethodNotAllowed => {
-            let body = error_json(cfg.rank, "method not allowed", "method_not_allowed");
-            write_json(w, &meta, 405, &with_mock(body, cfg.rank, req))
+            let body = error_json(rank, "method not allowed", "method_not_allowed");
+            write_json(w, &meta, 405, &with_mock(body, srv, req))
         }
         Route::NotFound => {
-            let body = error_json(cfg.rank, "no such endpoint", "not_found");
-            write_json(w, &meta, 404, &with_mock(body, cfg.rank, req))
+            let body = error_json(rank, "no such endpoint", "not_found");
+            write_json(w, &meta, 404, &with_mock(body, srv, req))
         }
     }
 }
 
 /// Body of the answer to a request that could not be parsed.
-pub fn error_json(rank: u32, message: &str, kind: &str) -> Value {
+pub fn error_json(rank: Option<u32>, message: &str, kind: &str) -> Value {
     json!({
         "error": {"message": message, "type": kind},
         "mock": {"rank": rank},
@@ -93,16 +204,17 @@ pub fn write_json<W: Write>(
     http::write_response(w, meta, status, "application/json", &body)
 }
 
-/// Replaces the minimal `mock` object with the full one for `req`.
-fn with_mock(mut value: Value, rank: u32, req: &Request) -> Value {
+/// Replaces the minimal `mock` object with the full one for `req`, which was
+/// not dispatched to a rank (in engine mode `mock.rank` is null).
+fn with_mock(mut value: Value, srv: &Server, req: &Request) -> Value {
     if let Some(obj) = value.as_object_mut() {
-        obj.insert("mock".into(), mock_info(rank, req));
+        obj.insert("mock".into(), mock_info(srv, srv.fixed_rank(), req));
     }
     value
 }
 
 /// What reached this upstream: the e2e tests' view through the proxy.
-fn mock_info(rank: u32, req: &Request) -> Value {
+fn mock_info(srv: &Server, rank: Option<u32>, req: &Request) -> Value {
     let mut headers = Map::new();
     for (name, value) in &req.head.headers {
         // Repeated headers are combined as HTTP allows (RFC 9110 5.3).
@@ -112,22 +224,28 @@ fn mock_info(rank: u32, req: &Request) -> Value {
         };
         headers.insert(name.clone(), Value::String(combined));
     }
-    json!({
+    let mut mock = json!({
         "rank": rank,
+        "engine": false,
         "method": req.head.method,
         "path": req.head.target,
         "body_len": req.body.len(),
         "body_fnv1a64": fnv1a64_hex(&req.body),
         "headers": headers,
-    })
+    });
+    if let Mode::Engine { dp_size } = srv.cfg.mode {
+        mock["engine"] = json!(true);
+        mock["dp_size"] = json!(dp_size);
+    }
+    mock
 }
 
-fn models(rank: u32, req: &Request) -> Value {
+fn models(srv: &Server, req: &Request) -> Value {
     let list = json!({
         "object": "list",
         "data": [{"id": DEFAULT_MODEL, "object": "model", "created": 0, "owned_by": "mock-rank"}],
     });
-    with_mock(list, rank, req)
+    with_mock(list, srv, req)
 }
 
 /// Everything needed to render one LLM answer, streamed or not.
@@ -144,7 +262,7 @@ struct Answer {
 }
 
 impl Answer {
-    fn new(api: Api, rank: u32, req: &Request) -> Self {
+    fn new(api: Api, rank: u32, req: &Request, mock: Value) -> Self {
         // A body that is not JSON still gets an answer: the mock must accept
         // whatever a real proxy passes through.
         let body: Option<Value> = serde_json::from_slice(&req.body).ok();
@@ -166,7 +284,7 @@ impl Answer {
             prompt_tokens: req.body.len() as u64 / 4,
             tokens: requested_tokens(body),
             stream: body.and_then(|b| b.get("stream")) == Some(&Value::Bool(true)),
-            mock: mock_info(rank, req),
+            mock,
         }
     }
 
@@ -305,22 +423,31 @@ fn requested_tokens(body: Option<&Value>) -> u64 {
         .map_or(DEFAULT_TOKENS, |n| n.clamp(1, MAX_TOKENS))
 }
 
+/// Answers an LLM request on `rank`, counted in flight on that rank until
+/// the answer is fully written (flushed) or writing it failed.
 fn serve_llm<W: Write>(
     w: &mut W,
-    cfg: &Config,
-    meta: &ResponseMeta,
+    srv: &Server,
+    rank: u32,
     req: &Request,
     api: Api,
 ) -> io::Result<bool> {
-    let answer = Answer::new(api, cfg.rank, req);
+    let inflight = srv.stats_of(rank).enter();
+    let mut mock = mock_info(srv, Some(rank), req);
+    mock["inflight"] = json!(inflight.inflight);
+    mock["max_inflight"] = json!(inflight.max_inflight);
+    let meta = ResponseMeta::for_request(Some(rank), &req.head);
+    let answer = Answer::new(api, rank, req, mock);
     // Simulated time-to-first-byte: before the status line, so it also
     // delays the response headers the filter learns the rank from.
-    sleep_ms(cfg.delay_ms);
-    if answer.stream {
-        stream(w, cfg, meta, &answer)
+    sleep_ms(srv.cfg.delay_for(rank));
+    let result = if answer.stream {
+        stream(w, &srv.cfg, &meta, &answer)
     } else {
-        write_json(w, meta, 200, &answer.full())
-    }
+        write_json(w, &meta, 200, &answer.full())
+    };
+    drop(inflight);
+    result
 }
 
 fn stream<W: Write>(
@@ -353,14 +480,10 @@ mod tests {
     use crate::http::{read_body, read_head};
     use std::io::Cursor;
 
-    fn config() -> Config {
-        Config {
-            rank: 3,
-            host: "127.0.0.1".into(),
-            port: 0,
-            delay_ms: 0,
-            stream_interval_ms: 0,
-        }
+    fn server(mode: Mode) -> Server {
+        let mut cfg = Config::new(mode);
+        cfg.stream_interval_ms = 0;
+        Server::new(cfg)
     }
 
     fn request(text: &str) -> Request {
@@ -377,13 +500,36 @@ mod tests {
         ))
     }
 
-    /// Runs `respond` and splits the output into (head, body).
-    fn run(req: &Request) -> (String, String) {
+    /// Runs `respond` on `srv` and splits the output into (head, body).
+    fn run_on(srv: &Server, req: &Request) -> (String, String) {
         let mut out = Vec::new();
-        respond(&mut out, &config(), req).expect("respond");
+        respond(&mut out, srv, req).expect("respond");
         let text = String::from_utf8(out).expect("utf8");
         let (head, body) = text.split_once("\r\n\r\n").expect("header end");
         (head.to_string(), body.to_string())
+    }
+
+    /// Runs `respond` on a fresh `--rank 3` server.
+    fn run(req: &Request) -> (String, String) {
+        run_on(&server(Mode::Rank(3)), req)
+    }
+
+    fn json_of(body: &str) -> Value {
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+    }
+
+    /// A chat request carrying `x-data-parallel-rank: value` when given.
+    fn chat_with_rank(value: Option<&str>) -> Request {
+        let header = value.map_or(String::new(), |v| format!("X-Data-Parallel-Rank: {v}\r\n"));
+        request(&format!(
+            "POST /v1/chat/completions HTTP/1.1\r\n{header}Content-Length: 2\r\n\r\n{{}}"
+        ))
+    }
+
+    fn header_rank(head: &str) -> Option<u32> {
+        head.lines()
+            .find_map(|l| l.strip_prefix("x-dp-rank: "))
+            .map(|v| v.parse().expect("numeric x-dp-rank"))
     }
 
     #[test]
@@ -393,6 +539,10 @@ mod tests {
         assert_eq!(route("POST", "/generate"), Route::Llm(Api::Generate));
         assert_eq!(route("GET", "/generate"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/nope"), Route::NotFound);
+        assert_eq!(route("GET", "/mock/stats"), Route::Stats);
+        assert_eq!(route("POST", "/mock/reset-stats"), Route::ResetStats);
+        assert_eq!(route("GET", "/mock/reset-stats"), Route::MethodNotAllowed);
+        assert_eq!(route("POST", "/mock/stats"), Route::MethodNotAllowed);
     }
 
     #[test]
@@ -422,6 +572,157 @@ mod tests {
         assert_eq!(v["mock"]["body_fnv1a64"], fnv1a64_hex(body.as_bytes()));
         assert_eq!(v["mock"]["headers"]["x-a"], "1, 2");
         assert_eq!(v["mock"]["headers"]["host"], "x");
+        assert_eq!(v["mock"]["engine"], false);
+        assert!(v["mock"].get("dp_size").is_none());
+        assert_eq!(v["mock"]["inflight"], 1);
+        assert_eq!(v["mock"]["max_inflight"], 1);
+    }
+
+    #[test]
+    fn inflight_reported_and_released() {
+        let srv = server(Mode::Rank(3));
+        // Two requests already running on this rank.
+        let _a = srv.stats_of(3).enter();
+        let b = srv.stats_of(3).enter();
+        let (_, body) = run_on(&srv, &post("/generate", "{}"));
+        let v = json_of(&body);
+        assert_eq!(v["mock"]["inflight"], 3);
+        assert_eq!(v["mock"]["max_inflight"], 3);
+        drop(b);
+        let (_, body) = run_on(&srv, &post("/generate", "{}"));
+        let v = json_of(&body);
+        assert_eq!(v["mock"]["inflight"], 2);
+        assert_eq!(v["mock"]["max_inflight"], 3);
+        let s = srv.stats_of(3).snapshot();
+        assert_eq!((s.requests, s.inflight, s.max_inflight), (4, 1, 3));
+    }
+
+    #[test]
+    fn inflight_released_when_writing_fails() {
+        struct Broken;
+        impl Write for Broken {
+            fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+                Err(io::ErrorKind::BrokenPipe.into())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Err(io::ErrorKind::BrokenPipe.into())
+            }
+        }
+        let srv = server(Mode::Engine { dp_size: 2 });
+        for body in ["{}", r#"{"stream":true}"#] {
+            let req = post("/v1/completions", body);
+            assert!(respond(&mut Broken, &srv, &req).is_err());
+        }
+        let snaps: Vec<_> = srv.ranks().map(|(_, s)| s.snapshot()).collect();
+        assert!(snaps.iter().all(|s| s.requests == 1 && s.inflight == 0));
+    }
+
+    #[test]
+    fn engine_dispatch_by_header_and_round_robin() {
+        let srv = server(Mode::Engine { dp_size: 4 });
+        let mut seen = Vec::new();
+        for value in [None, Some("2"), None, Some("02"), None, None, None] {
+            let (head, body) = run_on(&srv, &chat_with_rank(value));
+            assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+            let v = json_of(&body);
+            let rank = header_rank(&head).expect("x-dp-rank");
+            assert_eq!(v["mock"]["rank"], rank);
+            assert_eq!(v["mock"]["engine"], true);
+            assert_eq!(v["mock"]["dp_size"], 4);
+            assert!(v["choices"][0]["message"]["content"]
+                .as_str()
+                .expect("content")
+                .starts_with(&format!("Hello from DP rank {rank}:")));
+            seen.push(rank);
+        }
+        // Requests naming a rank do not advance the round robin.
+        assert_eq!(seen, [0, 2, 1, 2, 2, 3, 0]);
+        let stats = json_of(&run_on(&srv, &request("GET /mock/stats HTTP/1.1\r\n\r\n")).1);
+        assert_eq!(stats["rank"], Value::Null);
+        assert_eq!(stats["engine"], true);
+        let requests: Vec<u64> = (0..4)
+            .map(|r| {
+                assert_eq!(stats["per_rank"][r]["rank"], r);
+                assert_eq!(stats["per_rank"][r]["inflight"], 0);
+                stats["per_rank"][r]["requests"].as_u64().expect("requests")
+            })
+            .collect();
+        assert_eq!(requests, [2, 1, 3, 1]);
+    }
+
+    #[test]
+    fn engine_rejects_invalid_rank_header() {
+        let srv = server(Mode::Engine { dp_size: 4 });
+        for bad in ["4", "-1", "abc", "1.5", "", "+1"] {
+            let (head, body) = run_on(&srv, &chat_with_rank(Some(bad)));
+            assert!(
+                head.starts_with("HTTP/1.1 400 Bad Request"),
+                "{bad:?}: {head}"
+            );
+            assert!(head.contains("content-type: application/json"));
+            assert!(head.contains("connection: keep-alive"));
+            assert_eq!(header_rank(&head), None, "not dispatched: {head}");
+            let v = json_of(&body);
+            assert_eq!(v["error"]["type"], "invalid_request_error");
+            let msg = v["error"]["message"].as_str().expect("message");
+            assert!(msg.starts_with("invalid x-data-parallel-rank "), "{msg}");
+            assert_eq!(v["mock"]["rank"], Value::Null);
+        }
+        let repeated = request(
+            "POST /generate HTTP/1.1\r\nx-data-parallel-rank: 1\r\nx-data-parallel-rank: 1\r\n\r\n",
+        );
+        assert!(run_on(&srv, &repeated).0.starts_with("HTTP/1.1 400"));
+        assert!(srv.ranks().all(|(_, s)| s.snapshot().requests == 0));
+        // Outside the LLM endpoints the header is not looked at.
+        let (head, _) = run_on(
+            &srv,
+            &request("GET /health HTTP/1.1\r\nx-data-parallel-rank: x\r\n\r\n"),
+        );
+        assert!(head.starts_with("HTTP/1.1 200"));
+        assert_eq!(header_rank(&head), None);
+    }
+
+    #[test]
+    fn rank_mode_ignores_rank_header() {
+        let (head, body) = run(&chat_with_rank(Some("abc")));
+        assert!(head.starts_with("HTTP/1.1 200"));
+        assert_eq!(header_rank(&head), Some(3));
+        assert_eq!(json_of(&body)["mock"]["rank"], 3);
+    }
+
+    #[test]
+    fn stats_and_reset() {
+        let srv = server(Mode::Rank(7));
+        for _ in 0..3 {
+            run_on(&srv, &post("/v1/completions", "{}"));
+        }
+        run_on(&srv, &request("GET /health HTTP/1.1\r\n\r\n"));
+        let (head, body) = run_on(&srv, &request("GET /mock/stats HTTP/1.1\r\n\r\n"));
+        assert!(head.starts_with("HTTP/1.1 200"));
+        assert_eq!(header_rank(&head), Some(7));
+        assert_eq!(
+            json_of(&body),
+            json!({"rank": 7, "engine": false, "dp_size": 1, "per_rank": [
+                {"rank": 7, "requests": 3, "inflight": 0, "max_inflight": 1},
+            ]})
+        );
+        let (head, body) = run_on(&srv, &request("POST /mock/reset-stats HTTP/1.1\r\n\r\n"));
+        assert!(head.starts_with("HTTP/1.1 200"));
+        assert_eq!(json_of(&body)["per_rank"][0]["requests"], 0);
+        let (_, body) = run_on(&srv, &request("GET /mock/stats HTTP/1.1\r\n\r\n"));
+        assert_eq!(
+            json_of(&body)["per_rank"][0],
+            json!({"rank": 7, "requests": 0, "inflight": 0, "max_inflight": 0})
+        );
+    }
+
+    #[test]
+    fn engine_reset_restarts_round_robin() {
+        let srv = server(Mode::Engine { dp_size: 3 });
+        run_on(&srv, &chat_with_rank(None));
+        run_on(&srv, &request("POST /mock/reset-stats HTTP/1.1\r\n\r\n"));
+        let (head, _) = run_on(&srv, &chat_with_rank(None));
+        assert_eq!(header_rank(&head), Some(0));
     }
 
     #[test]
@@ -444,6 +745,31 @@ mod tests {
         assert_eq!(body.matches("data: {").count(), 3);
         assert!(body.contains("data: [DONE]\n\n"));
         assert!(body.ends_with("0\r\n\r\n"));
+        for event in body.split("data: ").filter(|e| e.starts_with('{')) {
+            let json_text = event.split("\n\n").next().expect("event");
+            let v = json_of(json_text);
+            assert_eq!(v["rank"], 3);
+            assert_eq!(v["mock"]["rank"], 3);
+            assert_eq!(v["mock"]["inflight"], 1);
+            assert_eq!(v["mock"]["max_inflight"], 1);
+        }
+    }
+
+    #[test]
+    fn engine_stream_reports_internal_rank() {
+        let srv = server(Mode::Engine { dp_size: 4 });
+        let req = request(
+            "POST /generate HTTP/1.1\r\nx-data-parallel-rank: 1\r\nContent-Length: 30\r\n\r\n{\"stream\":true,\"max_tokens\":2}",
+        );
+        let (head, body) = run_on(&srv, &req);
+        assert_eq!(header_rank(&head), Some(1));
+        assert!(head.contains("transfer-encoding: chunked"));
+        assert_eq!(
+            body.matches("\"rank\":1").count(),
+            4,
+            "top-level and mock.rank in both events: {body}"
+        );
+        assert_eq!(body.matches("\"engine\":true").count(), 2);
     }
 
     #[test]

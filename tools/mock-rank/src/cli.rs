@@ -1,28 +1,82 @@
 //! Command-line parsing. Hand-rolled to keep the mock dependency-free apart
-//! from serde_json; the surface is five flags.
+//! from serde_json; the surface is a handful of flags.
 
 pub const USAGE: &str = "\
 usage: mock-rank --rank N [--port P] [--host 127.0.0.1] [--delay-ms D] [--stream-interval-ms I]
+       mock-rank --engine --dp-size N [--port P] [--host 127.0.0.1] [--delay-ms D]
+                 [--delay-ms-rank R=D]... [--stream-interval-ms I]
 
 Mock data-parallel rank server for dp-affinity tests.
 
-  --rank N                rank reported in the x-dp-rank header and the answers (required)
+  --rank N                rank reported in the x-dp-rank header and the answers
+  --engine                stand for one engine with internal data parallelism
+                          (SGLang --dp-size): requests pick an internal rank with
+                          header x-data-parallel-rank, else round robin
+  --dp-size N             number of internal ranks in --engine mode (1..=4096)
   --port P                TCP port to listen on; 0 (default) picks a free port
   --host H                address to bind (default 127.0.0.1)
   --delay-ms D            sleep D ms before answering LLM endpoints (default 0)
+  --delay-ms-rank R=D     --engine only, repeatable: internal rank R sleeps D ms
+                          instead of --delay-ms
   --stream-interval-ms I  gap between SSE events (default 100)
   -h, --help              print this help
 
+Exactly one of --rank and --engine is required.
 On readiness prints one line `listening HOST:PORT` to stdout.
 ";
 
+/// Largest `--dp-size`, the same bound the filter puts on its `dp_size`.
+pub const MAX_DP_SIZE: u32 = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One rank, reported as `rank`.
+    Rank(u32),
+    /// One engine with `dp_size` internal ranks 0..dp_size.
+    Engine { dp_size: u32 },
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
-    pub rank: u32,
+    pub mode: Mode,
     pub host: String,
     pub port: u16,
     pub delay_ms: u64,
+    /// `--delay-ms-rank` overrides in command-line order (the last one for a
+    /// rank wins).
+    pub rank_delay_ms: Vec<(u32, u64)>,
     pub stream_interval_ms: u64,
+}
+
+impl Config {
+    /// Config for `mode` with every other setting at its default.
+    pub fn new(mode: Mode) -> Self {
+        Config {
+            mode,
+            host: "127.0.0.1".to_string(),
+            port: 0,
+            delay_ms: 0,
+            rank_delay_ms: Vec::new(),
+            stream_interval_ms: 100,
+        }
+    }
+
+    /// Number of ranks this process serves: 1 for `--rank`.
+    pub fn dp_size(&self) -> u32 {
+        match self.mode {
+            Mode::Rank(_) => 1,
+            Mode::Engine { dp_size } => dp_size,
+        }
+    }
+
+    /// Time-to-first-byte delay of an LLM request served by `rank`.
+    pub fn delay_for(&self, rank: u32) -> u64 {
+        self.rank_delay_ms
+            .iter()
+            .rev()
+            .find(|(r, _)| *r == rank)
+            .map_or(self.delay_ms, |(_, ms)| *ms)
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -35,13 +89,9 @@ pub enum Command {
 /// and `--flag=value` so scripts can use either style.
 pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String> {
     let mut rank = None;
-    let mut cfg = Config {
-        rank: 0,
-        host: "127.0.0.1".to_string(),
-        port: 0,
-        delay_ms: 0,
-        stream_interval_ms: 100,
-    };
+    let mut engine = false;
+    let mut dp_size = None;
+    let mut cfg = Config::new(Mode::Rank(0));
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         if arg == "-h" || arg == "--help" {
@@ -51,20 +101,53 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             Some((flag, value)) => (flag.to_string(), Some(value.to_string())),
             None => (arg, None),
         };
+        if flag == "--engine" {
+            if inline.is_some() {
+                return Err("--engine takes no value".into());
+            }
+            engine = true;
+            continue;
+        }
         let value = match inline.or_else(|| args.next()) {
             Some(value) => value,
             None => return Err(format!("{flag} needs a value")),
         };
         match flag.as_str() {
             "--rank" => rank = Some(number(&flag, &value)?),
+            "--dp-size" => dp_size = Some(number(&flag, &value)?),
             "--port" => cfg.port = number(&flag, &value)?,
             "--host" => cfg.host = value,
             "--delay-ms" => cfg.delay_ms = number(&flag, &value)?,
+            "--delay-ms-rank" => cfg.rank_delay_ms.push(rank_delay(&value)?),
             "--stream-interval-ms" => cfg.stream_interval_ms = number(&flag, &value)?,
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
-    cfg.rank = rank.ok_or("--rank is required")?;
+    cfg.mode = match (rank, engine) {
+        (Some(_), true) => return Err("--rank and --engine are mutually exclusive".into()),
+        (None, false) => return Err("--rank N or --engine --dp-size N is required".into()),
+        (Some(rank), false) => {
+            if dp_size.is_some() {
+                return Err("--dp-size needs --engine".into());
+            }
+            if !cfg.rank_delay_ms.is_empty() {
+                return Err("--delay-ms-rank needs --engine (use --delay-ms)".into());
+            }
+            Mode::Rank(rank)
+        }
+        (None, true) => {
+            let dp_size: u32 = dp_size.ok_or("--engine needs --dp-size N")?;
+            if !(1..=MAX_DP_SIZE).contains(&dp_size) {
+                return Err(format!("--dp-size must be in 1..={MAX_DP_SIZE}"));
+            }
+            if let Some((r, _)) = cfg.rank_delay_ms.iter().find(|(r, _)| *r >= dp_size) {
+                return Err(format!(
+                    "--delay-ms-rank: rank {r} is not below --dp-size {dp_size}"
+                ));
+            }
+            Mode::Engine { dp_size }
+        }
+    };
     Ok(Command::Run(cfg))
 }
 
@@ -72,6 +155,15 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String> {
     value
         .parse()
         .map_err(|_| format!("{flag}: invalid number {value:?}"))
+}
+
+/// `R=D` of `--delay-ms-rank`.
+fn rank_delay(value: &str) -> Result<(u32, u64), String> {
+    const FLAG: &str = "--delay-ms-rank";
+    let (rank, ms) = value
+        .split_once('=')
+        .ok_or_else(|| format!("{FLAG}: expected RANK=MS, got {value:?}"))?;
+    Ok((number(FLAG, rank)?, number(FLAG, ms)?))
 }
 
 #[cfg(test)]
@@ -82,16 +174,23 @@ mod tests {
         parse_args(args.iter().map(|s| s.to_string()))
     }
 
+    fn run(args: &[&str]) -> Config {
+        match parse(args) {
+            Ok(Command::Run(cfg)) => cfg,
+            other => panic!("expected run for {args:?}, got {other:?}"),
+        }
+    }
+
     #[test]
     fn defaults() {
-        let Ok(Command::Run(cfg)) = parse(&["--rank", "3"]) else {
-            panic!("expected run");
-        };
-        assert_eq!(cfg.rank, 3);
+        let cfg = run(&["--rank", "3"]);
+        assert_eq!(cfg.mode, Mode::Rank(3));
         assert_eq!(cfg.host, "127.0.0.1");
         assert_eq!(cfg.port, 0);
         assert_eq!(cfg.delay_ms, 0);
+        assert!(cfg.rank_delay_ms.is_empty());
         assert_eq!(cfg.stream_interval_ms, 100);
+        assert_eq!(cfg.dp_size(), 1);
     }
 
     #[test]
@@ -106,13 +205,61 @@ mod tests {
             "--stream-interval-ms=7",
         ]);
         let expected = Config {
-            rank: 1,
+            mode: Mode::Rank(1),
             host: "0.0.0.0".into(),
             port: 18001,
             delay_ms: 5,
+            rank_delay_ms: Vec::new(),
             stream_interval_ms: 7,
         };
         assert_eq!(cmd, Ok(Command::Run(expected)));
+    }
+
+    #[test]
+    fn engine_mode() {
+        let cfg = run(&[
+            "--engine",
+            "--dp-size",
+            "4",
+            "--delay-ms=10",
+            "--delay-ms-rank",
+            "2=500",
+            "--delay-ms-rank=3=0",
+            "--delay-ms-rank=2=600",
+        ]);
+        assert_eq!(cfg.mode, Mode::Engine { dp_size: 4 });
+        assert_eq!(cfg.dp_size(), 4);
+        assert_eq!(cfg.delay_for(0), 10);
+        assert_eq!(cfg.delay_for(2), 600, "last override wins");
+        assert_eq!(cfg.delay_for(3), 0);
+        // Flag order does not matter.
+        assert_eq!(
+            run(&["--dp-size=1", "--port", "9", "--engine"]).mode,
+            Mode::Engine { dp_size: 1 }
+        );
+        assert_eq!(
+            run(&["--engine", "--dp-size", "4096"]).mode,
+            Mode::Engine { dp_size: 4096 }
+        );
+    }
+
+    #[test]
+    fn engine_mode_errors() {
+        let err = |args: &[&str]| parse(args).expect_err(&format!("{args:?} must fail"));
+        assert!(err(&["--rank", "1", "--engine", "--dp-size", "2"]).contains("mutually exclusive"));
+        assert!(err(&["--engine", "--rank", "0"]).contains("mutually exclusive"));
+        assert!(err(&["--engine"]).contains("--dp-size"));
+        assert!(err(&["--engine=1", "--dp-size", "2"]).contains("no value"));
+        assert!(err(&["--rank", "1", "--dp-size", "2"]).contains("needs --engine"));
+        assert!(err(&["--rank", "1", "--delay-ms-rank", "1=5"]).contains("needs --engine"));
+        err(&["--engine", "--dp-size", "0"]);
+        err(&["--engine", "--dp-size", "4097"]);
+        err(&["--engine", "--dp-size", "-1"]);
+        err(&["--engine", "--dp-size"]);
+        assert!(err(&["--engine", "--dp-size", "4", "--delay-ms-rank", "4=1"]).contains("rank 4"));
+        for bad in ["1", "=5", "1=", "a=5", "1=x", "-1=5", "1=-5"] {
+            err(&["--engine", "--dp-size", "4", "--delay-ms-rank", bad]);
+        }
     }
 
     #[test]

@@ -327,7 +327,9 @@ fn parse_chunk_size(line: &[u8]) -> Result<u64, ReadError> {
 /// How a response must be framed for the request it answers.
 #[derive(Debug, Clone, Copy)]
 pub struct ResponseMeta {
-    pub rank: u32,
+    /// Sent as `x-dp-rank`; `None` (engine mode, request not dispatched to an
+    /// internal rank) sends no such header.
+    pub rank: Option<u32>,
     pub keep_alive: bool,
     /// HEAD request: send headers only.
     pub head_only: bool,
@@ -336,7 +338,7 @@ pub struct ResponseMeta {
 }
 
 impl ResponseMeta {
-    pub fn for_request(rank: u32, head: &Head) -> Self {
+    pub fn for_request(rank: Option<u32>, head: &Head) -> Self {
         ResponseMeta {
             rank,
             keep_alive: head.keep_alive,
@@ -347,7 +349,7 @@ impl ResponseMeta {
 
     /// For errors found while parsing: there is no trustworthy request, so
     /// answer and close.
-    pub fn closing(rank: u32) -> Self {
+    pub fn closing(rank: Option<u32>) -> Self {
         ResponseMeta {
             rank,
             keep_alive: false,
@@ -373,15 +375,19 @@ fn write_status_and_common<W: Write>(
     w: &mut W,
     status: u16,
     content_type: &str,
-    rank: u32,
+    rank: Option<u32>,
     keep_alive: bool,
 ) -> io::Result<()> {
     let connection = if keep_alive { "keep-alive" } else { "close" };
     write!(
         w,
-        "HTTP/1.1 {status} {}\r\ncontent-type: {content_type}\r\nx-dp-rank: {rank}\r\nconnection: {connection}\r\n",
+        "HTTP/1.1 {status} {}\r\ncontent-type: {content_type}\r\n",
         reason(status)
-    )
+    )?;
+    if let Some(rank) = rank {
+        write!(w, "x-dp-rank: {rank}\r\n")?;
+    }
+    write!(w, "connection: {connection}\r\n")
 }
 
 /// Writes a complete fixed-length response and flushes. Returns whether the
@@ -583,7 +589,7 @@ mod tests {
 
     #[test]
     fn chunked_response_framing() {
-        let meta = ResponseMeta::closing(2);
+        let meta = ResponseMeta::closing(Some(2));
         let mut out = Vec::new();
         let mut stream = BodyStream::start(&mut out, &meta, "text/event-stream").expect("start");
         stream.send(b"data: x\n\n").expect("send");
@@ -594,5 +600,21 @@ mod tests {
         assert!(text.contains("x-dp-rank: 2\r\n"));
         assert!(text.contains("transfer-encoding: chunked\r\n"));
         assert!(text.ends_with("\r\n\r\n9\r\ndata: x\n\n\r\n0\r\n\r\n"));
+    }
+
+    #[test]
+    fn rank_header_only_when_known() {
+        let mut out = Vec::new();
+        write_response(
+            &mut out,
+            &ResponseMeta::closing(None),
+            200,
+            "text/plain",
+            b"ok",
+        )
+        .expect("write");
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(!text.contains("x-dp-rank"), "{text}");
+        assert!(text.contains("connection: close\r\ncontent-length: 2\r\n\r\nok"));
     }
 }

@@ -1,13 +1,16 @@
-//! mock-rank: a stand-in for one data-parallel rank of an LLM server, used by
-//! the dp-affinity end-to-end tests and benchmarks behind Envoy.
+//! mock-rank: a stand-in for one data-parallel rank of an LLM server (or, with
+//! `--engine --dp-size N`, for one engine with N internal ranks), used by the
+//! dp-affinity end-to-end tests and benchmarks behind Envoy.
 //!
 //! std-only HTTP/1.1, one thread per connection, keep-alive. See
 //! /work/notes/interfaces.md for the contract and `--help` for the CLI.
 
 mod api;
 mod cli;
+mod engine;
 mod fnv;
 mod http;
+mod stats;
 
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -16,7 +19,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use cli::{Command, Config};
+use api::Server;
+use cli::Command;
 use http::{ReadError, Request, ResponseMeta};
 
 /// After deciding to close, how long / how much we keep reading so a client
@@ -48,7 +52,7 @@ fn main() -> ExitCode {
         eprintln!("mock-rank: cannot report address: {err}");
         return ExitCode::FAILURE;
     }
-    accept_loop(&listener, Arc::new(cfg));
+    accept_loop(&listener, Arc::new(Server::new(cfg)));
     ExitCode::SUCCESS
 }
 
@@ -61,25 +65,25 @@ fn announce(listener: &TcpListener) -> io::Result<()> {
     out.flush()
 }
 
-fn accept_loop(listener: &TcpListener, cfg: Arc<Config>) {
+fn accept_loop(listener: &TcpListener, srv: Arc<Server>) {
     for conn in listener.incoming() {
         match conn {
-            Ok(stream) => spawn_connection(stream, Arc::clone(&cfg)),
+            Ok(stream) => spawn_connection(stream, Arc::clone(&srv)),
             // Typically EMFILE under load: back off instead of spinning.
             Err(_) => thread::sleep(Duration::from_millis(10)),
         }
     }
 }
 
-fn spawn_connection(stream: TcpStream, cfg: Arc<Config>) {
+fn spawn_connection(stream: TcpStream, srv: Arc<Server>) {
     // If no thread can be created the stream is dropped, i.e. the
     // connection is closed, which the client sees as a failed upstream.
     let _ = thread::Builder::new()
         .name("mock-rank-conn".into())
-        .spawn(move || serve_connection(stream, &cfg));
+        .spawn(move || serve_connection(stream, &srv));
 }
 
-fn serve_connection(stream: TcpStream, cfg: &Config) {
+fn serve_connection(stream: TcpStream, srv: &Server) {
     // SSE events are small writes that must leave immediately.
     let _ = stream.set_nodelay(true);
     let Ok(write_half) = stream.try_clone() else {
@@ -88,7 +92,7 @@ fn serve_connection(stream: TcpStream, cfg: &Config) {
     let mut reader = BufReader::with_capacity(IO_BUFFER_BYTES, stream);
     let mut writer = BufWriter::with_capacity(IO_BUFFER_BYTES, write_half);
     loop {
-        match serve_one(&mut reader, &mut writer, cfg) {
+        match serve_one(&mut reader, &mut writer, srv) {
             Ok(true) => continue,
             Ok(false) => break,
             // The peer is gone or the socket broke: nothing left to say.
@@ -99,23 +103,24 @@ fn serve_connection(stream: TcpStream, cfg: &Config) {
 }
 
 /// Reads and answers one request. Returns whether to keep the connection.
-fn serve_one<R: io::BufRead, W: Write>(r: &mut R, w: &mut W, cfg: &Config) -> io::Result<bool> {
+fn serve_one<R: io::BufRead, W: Write>(r: &mut R, w: &mut W, srv: &Server) -> io::Result<bool> {
     let head = match http::read_head(r) {
         Ok(head) => head,
-        Err(err) => return reject(w, cfg.rank, err),
+        Err(err) => return reject(w, srv.fixed_rank(), err),
     };
     if head.expect_continue {
         http::write_continue(w)?;
     }
     let body = match http::read_body(r, head.framing) {
         Ok(body) => body,
-        Err(err) => return reject(w, cfg.rank, err),
+        Err(err) => return reject(w, srv.fixed_rank(), err),
     };
-    api::respond(w, cfg, &Request { head, body })
+    api::respond(w, srv, &Request { head, body })
 }
 
 /// Turns a read failure into the matching answer; always ends the connection.
-fn reject<W: Write>(w: &mut W, rank: u32, err: ReadError) -> io::Result<bool> {
+/// `rank` is `None` in engine mode: the request never reached an internal rank.
+fn reject<W: Write>(w: &mut W, rank: Option<u32>, err: ReadError) -> io::Result<bool> {
     let meta = ResponseMeta::closing(rank);
     match err {
         ReadError::Closed => Ok(false),
