@@ -38,26 +38,46 @@ pub fn weight(seed: u64, key: u64, rank: u32) -> u64 {
     fmix64(key ^ rank_id)
 }
 
-/// `ceil(factor × (total + 1) / usable)`, at least 1: the in-flight count at which a rank is full
-/// (the `+ 1` counts the request being placed).
-pub fn capacity(factor: f64, total: u64, usable: u32) -> u64 {
-    if usable == 0 {
-        return 0;
-    }
-    let cap = (factor * (total + 1) as f64 / f64::from(usable)).ceil();
-    if cap.is_finite() && cap >= 1.0 {
-        cap as u64
-    } else {
-        1
+/// The load bound of a placement: a rank is full at `max(floor, ceil(factor × (total + 1) /
+/// usable))` requests in flight (the `+ 1` counts the request being placed).
+///
+/// The floor matters on a quiet cluster: with one request in flight the bare formula gives a
+/// capacity of 1, so a second turn of the same conversation (or a key next to one long
+/// generation) would leave its cached rank for an idle one. An engine batches many requests;
+/// a handful in flight is not "full".
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    pub factor: f64,
+    pub floor: u32,
+}
+
+impl Bound {
+    pub fn capacity(&self, total: u64, usable: u32) -> u64 {
+        if usable == 0 {
+            return 0;
+        }
+        let cap = (self.factor * (total + 1) as f64 / f64::from(usable)).ceil();
+        let cap = if cap.is_finite() && cap >= 1.0 {
+            cap as u64
+        } else {
+            1
+        };
+        cap.max(u64::from(self.floor))
     }
 }
 
-/// The rendezvous choice among usable ranks that are not full under `factor`; when every usable
-/// rank is full (only possible with `factor` < 1), the top of the order. `None` if no rank is
+/// The rendezvous choice among usable ranks that are not full under `bound`; when every usable
+/// rank is full (only possible with a factor below 1), the top of the order. `None` if no rank is
 /// usable.
-pub fn choose_hash(states: &RankStates, now: u32, seed: u64, key: u64, factor: f64) -> Option<u32> {
+pub fn choose_hash(
+    states: &RankStates,
+    now: u32,
+    seed: u64,
+    key: u64,
+    bound: Bound,
+) -> Option<u32> {
     let (total, usable) = states.usable_load(now);
-    let cap = capacity(factor, total, usable);
+    let cap = bound.capacity(total, usable);
     let mut best: Option<(u64, u32)> = None; // (weight, rank) among non-full ranks
     let mut top: Option<(u64, u32)> = None; // among all usable ranks
     for rank in 0..states.ranks.len() as u32 {
@@ -76,13 +96,13 @@ pub fn choose_hash(states: &RankStates, now: u32, seed: u64, key: u64, factor: f
 }
 
 /// Whether a key pinned to `rank` stays there: the rank is usable and its load is under the
-/// looser `factor` (default 2 × mean). Above it, the key moves (once: its new rank is then below).
-pub fn keep_pin(states: &RankStates, now: u32, rank: u32, factor: f64) -> bool {
+/// looser bound (default factor 2 × mean). Above it, the key moves (once: its new rank is then below).
+pub fn keep_pin(states: &RankStates, now: u32, rank: u32, bound: Bound) -> bool {
     if !states.usable(rank, now) {
         return false;
     }
     let (total, usable) = states.usable_load(now);
-    u64::from(states.inflight(rank)) < capacity(factor, total, usable)
+    u64::from(states.inflight(rank)) < bound.capacity(total, usable)
 }
 
 /// The usable rank with the fewest in flight; ties go to the first at or after `start`, so equal
@@ -132,6 +152,16 @@ mod tests {
         }
     }
 
+    /// A bound that never binds: the pure rendezvous distribution.
+    const FREE: Bound = Bound {
+        factor: 1e9,
+        floor: 0,
+    };
+
+    fn bound(factor: f64) -> Bound {
+        Bound { factor, floor: 0 }
+    }
+
     fn keys(n: u64) -> impl Iterator<Item = u64> {
         let h = crate::hash::KeyedHasher::from_seed(b"");
         (0..n).map(move |i| h.hash(format!("conversation-{i}").as_bytes()))
@@ -143,8 +173,7 @@ mod tests {
             let states = idle(n);
             let mut per_rank = vec![0u32; n];
             for k in keys(100_000) {
-                // Factor so large the bound never binds: the pure rendezvous distribution.
-                let r = choose_hash(&states, 0, 7, k, 1e9).unwrap();
+                let r = choose_hash(&states, 0, 7, k, FREE).unwrap();
                 per_rank[r as usize] += 1;
             }
             let max = *per_rank.iter().max().unwrap() as f64;
@@ -161,12 +190,12 @@ mod tests {
     fn removing_a_rank_moves_only_its_keys() {
         let mut states = idle(8);
         let before: Vec<u32> = keys(20_000)
-            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .map(|k| choose_hash(&states, 0, 1, k, FREE).unwrap())
             .collect();
         states.ranks[3].down_until = 100;
         let mut moved = 0;
         for (k, was) in keys(20_000).zip(&before) {
-            let now = choose_hash(&states, 50, 1, k, 1e9).unwrap();
+            let now = choose_hash(&states, 50, 1, k, FREE).unwrap();
             if *was == 3 {
                 assert_ne!(now, 3);
                 moved += 1;
@@ -177,7 +206,7 @@ mod tests {
         assert!(moved > 0);
         // Back after the cool-down: the same keys return.
         for (k, was) in keys(20_000).zip(&before) {
-            assert_eq!(choose_hash(&states, 100, 1, k, 1e9).unwrap(), *was);
+            assert_eq!(choose_hash(&states, 100, 1, k, FREE).unwrap(), *was);
         }
     }
 
@@ -185,13 +214,13 @@ mod tests {
     fn seeds_change_the_order_but_replicas_agree() {
         let states = idle(8);
         let a: Vec<u32> = keys(1000)
-            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .map(|k| choose_hash(&states, 0, 1, k, FREE).unwrap())
             .collect();
         let b: Vec<u32> = keys(1000)
-            .map(|k| choose_hash(&states, 0, 1, k, 1e9).unwrap())
+            .map(|k| choose_hash(&states, 0, 1, k, FREE).unwrap())
             .collect();
         let c: Vec<u32> = keys(1000)
-            .map(|k| choose_hash(&states, 0, 2, k, 1e9).unwrap())
+            .map(|k| choose_hash(&states, 0, 2, k, FREE).unwrap())
             .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
@@ -200,31 +229,75 @@ mod tests {
     #[test]
     fn bounded_load_skips_full_ranks() {
         // 4 ranks, 12 in flight: cap = ceil(1.25 × 13 / 4) = 5.
-        assert_eq!(capacity(1.25, 12, 4), 5);
+        assert_eq!(bound(1.25).capacity(12, 4), 5);
+        assert_eq!(
+            Bound {
+                factor: 1.25,
+                floor: 8
+            }
+            .capacity(12, 4),
+            8
+        );
         let k = keys(1).next().unwrap();
-        let first = choose_hash(&idle(4), 0, 0, k, 1.25).unwrap();
+        let first = choose_hash(&idle(4), 0, 0, k, bound(1.25)).unwrap();
         let mut loads = [2u32; 4];
         loads[first as usize] = 5;
         loads[(first as usize + 1) % 4] = 3;
         let states = with_load(&loads);
-        let second = choose_hash(&states, 0, 0, k, 1.25).unwrap();
+        let second = choose_hash(&states, 0, 0, k, bound(1.25)).unwrap();
         assert_ne!(second, first, "the full rank is skipped");
         // Under the cap (10 in flight: cap = ceil(1.25 × 11 / 4) = 4), the key's own rank is kept.
         loads[first as usize] = 3;
-        assert_eq!(choose_hash(&with_load(&loads), 0, 0, k, 1.25), Some(first));
+        assert_eq!(
+            choose_hash(&with_load(&loads), 0, 0, k, bound(1.25)),
+            Some(first)
+        );
     }
 
     #[test]
     fn pins_move_only_above_the_looser_bound() {
         // 4 ranks, 16 in flight: cap(2.0) = ceil(2 × 17 / 4) = 9.
         let states = with_load(&[8, 4, 2, 2]);
-        assert!(keep_pin(&states, 0, 0, 2.0));
+        assert!(keep_pin(&states, 0, 0, bound(2.0)));
         let states = with_load(&[9, 3, 2, 2]);
-        assert!(!keep_pin(&states, 0, 0, 2.0));
+        assert!(!keep_pin(&states, 0, 0, bound(2.0)));
         let mut down = with_load(&[0, 0, 0, 0]);
         down.ranks[1].down_until = 10;
-        assert!(!keep_pin(&down, 5, 1, 2.0));
-        assert!(keep_pin(&down, 10, 1, 2.0));
+        assert!(!keep_pin(&down, 5, 1, bound(2.0)));
+        assert!(keep_pin(&down, 10, 1, bound(2.0)));
+    }
+
+    #[test]
+    fn the_floor_keeps_pins_on_a_quiet_cluster() {
+        // One request in flight on the pinned rank: without a floor its capacity is 1.
+        let states = with_load(&[0, 1, 0, 0]);
+        assert!(!keep_pin(&states, 0, 1, bound(2.0)));
+        assert!(keep_pin(
+            &states,
+            0,
+            1,
+            Bound {
+                factor: 2.0,
+                floor: 8
+            }
+        ));
+        let k = keys(1).next().unwrap();
+        let free = choose_hash(&idle(4), 0, 0, k, FREE).unwrap();
+        let mut loads = [0u32; 4];
+        loads[free as usize] = 7;
+        let floored = Bound {
+            factor: 1.25,
+            floor: 8,
+        };
+        assert_eq!(
+            choose_hash(&with_load(&loads), 0, 0, k, floored),
+            Some(free)
+        );
+        loads[free as usize] = 8;
+        assert_ne!(
+            choose_hash(&with_load(&loads), 0, 0, k, floored),
+            Some(free)
+        );
     }
 
     #[test]
@@ -240,7 +313,7 @@ mod tests {
         }
         assert_eq!(choose_least_inflight(&states, 0, 0), None);
         assert_eq!(choose_round_robin(&states, 0, 0), None);
-        assert_eq!(choose_hash(&states, 0, 0, 1, 1.25), None);
+        assert_eq!(choose_hash(&states, 0, 0, 1, bound(1.25)), None);
     }
 
     #[test]

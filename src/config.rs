@@ -9,7 +9,7 @@ use std::fmt;
 
 use serde_json::Value;
 
-use crate::assign::Mode;
+use crate::assign::{Bound, Mode};
 use crate::hash::KeyedHasher;
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
@@ -124,6 +124,7 @@ struct RawAssign {
     seed: String,
     load_factor: f64,
     pinned_load_factor: f64,
+    min_capacity: u32,
     cooldown_seconds: u32,
     room_field: String,
 }
@@ -135,6 +136,7 @@ impl Default for RawAssign {
             seed: String::new(),
             load_factor: 1.25,
             pinned_load_factor: 2.0,
+            min_capacity: 8,
             cooldown_seconds: 10,
             room_field: "bootstrap_room".into(),
         }
@@ -289,6 +291,7 @@ fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigErr
         "seed",
         "load_factor",
         "pinned_load_factor",
+        "min_capacity",
         "cooldown_seconds",
         "room_field",
     ];
@@ -298,6 +301,7 @@ fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigErr
             "seed" => r.seed = as_string(path, v)?,
             "load_factor" => r.load_factor = as_f64(path, v)?,
             "pinned_load_factor" => r.pinned_load_factor = as_f64(path, v)?,
+            "min_capacity" => r.min_capacity = as_u32(path, v)?,
             "cooldown_seconds" => r.cooldown_seconds = as_u32(path, v)?,
             _ => r.room_field = as_string(path, v)?,
         }
@@ -493,8 +497,10 @@ pub struct AssignConfig {
     pub mode: Mode,
     /// Rendezvous seed (a hash of `assign.seed`): replicas with the same seed agree.
     pub seed: u64,
-    pub load_factor: f64,
-    pub pinned_load_factor: f64,
+    /// The bound for new keys (`load_factor`, `min_capacity`).
+    pub new_key_bound: Bound,
+    /// The bound under which a pinned key stays (`pinned_load_factor`, `min_capacity`).
+    pub pinned_bound: Bound,
     pub cooldown_seconds: u32,
     pub room_field: String,
 }
@@ -677,8 +683,14 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     Ok(AssignConfig {
         mode,
         seed: KeyedHasher::from_seed(b"").hash(raw.seed.as_bytes()),
-        load_factor: raw.load_factor,
-        pinned_load_factor: raw.pinned_load_factor,
+        new_key_bound: Bound {
+            factor: raw.load_factor,
+            floor: raw.min_capacity,
+        },
+        pinned_bound: Bound {
+            factor: raw.pinned_load_factor,
+            floor: raw.min_capacity,
+        },
         cooldown_seconds: raw.cooldown_seconds,
         room_field: raw.room_field,
     })
@@ -887,9 +899,10 @@ mod tests {
         assert_eq!(c.assign.mode, Mode::Envoy);
         assert!(!c.assign.tracks_load());
         assert_eq!(
-            (c.assign.load_factor, c.assign.pinned_load_factor),
+            (c.assign.new_key_bound.factor, c.assign.pinned_bound.factor),
             (1.25, 2.0)
         );
+        assert_eq!(c.assign.new_key_bound.floor, 8);
         assert_eq!(c.assign.cooldown_seconds, 10);
         assert_eq!(c.target, TargetMode::Cluster);
     }

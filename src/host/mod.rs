@@ -470,7 +470,7 @@ impl Filter {
         let now = rt.clock.now();
         let mut kept = false;
         let (rank, events) = rt.board.acquire(&SharedData, |st| {
-            kept = pinned.is_some_and(|r| keep_pin(st, now, r, rt.cfg.assign.pinned_load_factor));
+            kept = pinned.is_some_and(|r| keep_pin(st, now, r, rt.cfg.assign.pinned_bound));
             if kept {
                 pinned
             } else {
@@ -513,7 +513,7 @@ impl Filter {
         self.rt.turn.set(turn.wrapping_add(1));
         match (a.mode, key) {
             (Mode::Envoy, _) => None,
-            (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.load_factor),
+            (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.new_key_bound),
             (Mode::RoundRobin, _) => choose_round_robin(st, now, turn),
             // Keyless requests in hash mode, and every placement in the others.
             _ => choose_least_inflight(st, now, turn),

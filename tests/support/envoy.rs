@@ -24,6 +24,20 @@ const START_ATTEMPTS: u32 = 3;
 /// The filter chain and cluster names the routes refer to.
 pub const CLUSTER_HEADER: &str = "x-dp-affinity-cluster";
 pub const ALL_RANKS_CLUSTER: &str = "dp-all";
+/// The only cluster of the single-engine topology.
+pub const ENGINE_CLUSTER: &str = "engine";
+
+/// How the upstreams are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// One cluster per rank (`dp-rank-{r}`, reached through the cluster-header
+    /// route) plus `dp-all` holding every rank (the default).
+    PerRankClusters,
+    /// One engine with internal data parallelism: a single cluster `engine` and a
+    /// single route to it, no cluster-header route (`target.mode: engine_header`).
+    /// `rank_ports` must hold exactly the engine's port.
+    SingleEngine,
+}
 
 /// What varies between the test Envoys. Ports are chosen at start.
 #[derive(Clone, Debug)]
@@ -39,6 +53,7 @@ pub struct EnvoyConfig {
     pub fallback_retries: bool,
     /// Envoy access log (cluster, upstream host, flags): evidence when a test fails.
     pub access_log: Option<PathBuf>,
+    pub topology: Topology,
 }
 
 impl EnvoyConfig {
@@ -50,6 +65,7 @@ impl EnvoyConfig {
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
             access_log: None,
+            topology: Topology::PerRankClusters,
         }
     }
 }
@@ -61,7 +77,7 @@ pub fn render_config(listen_port: u16, admin_port: u16, config: &EnvoyConfig) ->
         "admin": { "address": socket_address(admin_port) },
         "static_resources": {
             "listeners": [listener(listen_port, config)],
-            "clusters": clusters(&config.rank_ports),
+            "clusters": clusters(config),
         }
     });
     serde_json::to_string_pretty(&bootstrap).expect("serialize bootstrap")
@@ -86,7 +102,10 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress_http",
         "codec_type": "AUTO",
-        "route_config": route_config(config.fallback_retries),
+        "route_config": match config.topology {
+            Topology::PerRankClusters => route_config(config.fallback_retries),
+            Topology::SingleEngine => engine_route_config(),
+        },
         "http_filters": http_filters,
     });
     if let Some(path) = &config.access_log {
@@ -165,7 +184,31 @@ fn route_config(fallback_retries: bool) -> Value {
     })
 }
 
-fn clusters(rank_ports: &[u16]) -> Vec<Value> {
+/// The single-engine topology's routes: everything to the engine cluster. The
+/// filter names the rank in a request header the engine reads, not in a route.
+fn engine_route_config() -> Value {
+    json!({
+        "name": "engine_routes",
+        "virtual_hosts": [{
+            "name": "all",
+            "domains": ["*"],
+            "routes": [
+                { "match": { "prefix": "/" }, "route": { "cluster": ENGINE_CLUSTER, "timeout": "0s" } }
+            ]
+        }]
+    })
+}
+
+fn clusters(config: &EnvoyConfig) -> Vec<Value> {
+    let rank_ports = &config.rank_ports;
+    if config.topology == Topology::SingleEngine {
+        assert_eq!(
+            rank_ports.len(),
+            1,
+            "the single-engine topology has exactly one upstream"
+        );
+        return vec![static_cluster(ENGINE_CLUSTER, rank_ports, "ROUND_ROBIN")];
+    }
     let mut clusters: Vec<Value> = rank_ports
         .iter()
         .enumerate()

@@ -1,4 +1,5 @@
-//! A `mock-rank` child process: one simulated DP rank on 127.0.0.1.
+//! A `mock-rank` child process on 127.0.0.1: one simulated DP rank, or (engine
+//! mode) one engine holding several internal ranks.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -8,6 +9,9 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use serde_json::Value;
+
+use super::http::{self, Request};
 use super::paths;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -15,6 +19,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct MockRank {
     rank: u32,
     port: u16,
+    /// `--rank N`, or `--engine --dp-size N`.
+    mode_args: Vec<String>,
     extra_args: Vec<String>,
     log_path: PathBuf,
     child: Option<Child>,
@@ -27,12 +33,47 @@ impl MockRank {
         let mut mock = MockRank {
             rank,
             port: 0,
+            mode_args: vec!["--rank".into(), rank.to_string()],
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             log_path: dir.join(format!("mock-rank-{rank}.log")),
             child: None,
         };
         mock.spawn();
         mock
+    }
+
+    /// Starts one engine-mode mock (`--engine --dp-size N`) on a free port: it
+    /// serves internal rank `x-data-parallel-rank` if the request names one, else
+    /// round robin. `extra_args` e.g. `["--delay-ms-rank", "1=300"]`.
+    pub fn start_engine(dp_size: u32, extra_args: &[&str], dir: &Path) -> MockRank {
+        let mut mock = MockRank {
+            rank: 0,
+            port: 0,
+            mode_args: vec!["--engine".into(), "--dp-size".into(), dp_size.to_string()],
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            log_path: dir.join("mock-engine.log"),
+            child: None,
+        };
+        mock.spawn();
+        mock
+    }
+
+    /// The mock's counters since start or the last `reset_stats`:
+    /// `{"per_rank":[{"rank","requests","inflight","max_inflight"}...]}`.
+    pub fn stats(&self) -> Value {
+        let response = http::send(self.addr(), &Request::get("/mock/stats"));
+        assert_eq!(response.status, 200, "GET /mock/stats: {}", response.text());
+        response.json()
+    }
+
+    pub fn reset_stats(&self) {
+        let response = http::send(self.addr(), &Request::post("/mock/reset-stats"));
+        assert!(
+            (200..300).contains(&response.status),
+            "POST /mock/reset-stats: {} {}",
+            response.status,
+            response.text()
+        );
     }
 
     pub fn rank(&self) -> u32 {
@@ -69,7 +110,7 @@ impl MockRank {
             .open(&self.log_path)
             .unwrap_or_else(|e| panic!("open {}: {e}", self.log_path.display()));
         let mut child = Command::new(paths::mock_bin())
-            .args(["--rank", &self.rank.to_string()])
+            .args(&self.mode_args)
             .args(["--port", &self.port.to_string()])
             .args(["--host", "127.0.0.1"])
             .args(&self.extra_args)
@@ -86,8 +127,8 @@ impl MockRank {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "mock-rank --rank {} did not print `listening 127.0.0.1:PORT` within {READY_TIMEOUT:?}; log: {}",
-                    self.rank,
+                    "mock-rank {} did not print `listening 127.0.0.1:PORT` within {READY_TIMEOUT:?}; log: {}",
+                    self.mode_args.join(" "),
                     std::fs::read_to_string(&self.log_path).unwrap_or_default()
                 );
             }

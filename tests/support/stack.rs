@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::envoy::{Envoy, EnvoyConfig};
+use super::envoy::{Envoy, EnvoyConfig, Topology};
 use super::http::{Request, Response};
 use super::mock::MockRank;
 use super::paths;
@@ -31,6 +31,11 @@ pub struct StackOptions {
     pub with_filter: bool,
     pub allow_on_headers_stop_iteration: bool,
     pub fallback_retries: bool,
+    /// Extra arguments for one rank only (after `mock_args`), e.g. a slow rank.
+    pub rank_args: BTreeMap<u32, Vec<String>>,
+    /// One engine-mode mock with `dp_size` internal ranks behind a single cluster
+    /// (`Topology::SingleEngine`) instead of one mock per rank.
+    pub engine: bool,
 }
 
 impl StackOptions {
@@ -41,7 +46,22 @@ impl StackOptions {
             with_filter: true,
             allow_on_headers_stop_iteration: true,
             fallback_retries: false,
+            rank_args: BTreeMap::new(),
+            engine: false,
         }
+    }
+
+    pub fn rank_args(mut self, rank: u32, args: &[&str]) -> StackOptions {
+        self.rank_args
+            .entry(rank)
+            .or_default()
+            .extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+
+    pub fn engine(mut self) -> StackOptions {
+        self.engine = true;
+        self
     }
 
     pub fn mock_args(mut self, args: &[&str]) -> StackOptions {
@@ -74,15 +94,30 @@ pub struct Stack {
     pub mocks: Vec<MockRank>,
     pub dir: TestDir,
     name: String,
+    /// What `envoy` runs, kept to start replicas of it.
+    envoy_config: EnvoyConfig,
+    replicas: u32,
 }
 
 impl Stack {
     pub fn start(name: &str, options: StackOptions) -> Stack {
         let dir = TestDir::new(name);
-        let mock_args: Vec<&str> = options.mock_args.iter().map(String::as_str).collect();
-        let mocks: Vec<MockRank> = (0..options.dp_size())
-            .map(|rank| MockRank::start(rank, &mock_args, dir.path()))
-            .collect();
+        let mocks: Vec<MockRank> = if options.engine {
+            let args: Vec<&str> = options.mock_args.iter().map(String::as_str).collect();
+            vec![MockRank::start_engine(options.dp_size(), &args, dir.path())]
+        } else {
+            (0..options.dp_size())
+                .map(|rank| {
+                    let args: Vec<&str> = options
+                        .mock_args
+                        .iter()
+                        .chain(options.rank_args.get(&rank).into_iter().flatten())
+                        .map(String::as_str)
+                        .collect();
+                    MockRank::start(rank, &args, dir.path())
+                })
+                .collect()
+        };
         let mut config = EnvoyConfig::new(
             mocks.iter().map(MockRank::port).collect(),
             options.with_filter.then(paths::wasm_path),
@@ -91,13 +126,30 @@ impl Stack {
         config.allow_on_headers_stop_iteration = options.allow_on_headers_stop_iteration;
         config.fallback_retries = options.fallback_retries;
         config.access_log = Some(dir.join("access.log"));
+        if options.engine {
+            config.topology = Topology::SingleEngine;
+        }
         let envoy = Envoy::start(&config, dir.path());
         Stack {
             envoy,
             mocks,
             dir,
             name: name.to_string(),
+            envoy_config: config,
+            replicas: 0,
         }
+    }
+
+    /// Starts another Envoy with the same configuration in front of the same
+    /// mocks: a second proxy replica, with its own process and so its own shared
+    /// data (affinity table and rank loads). Drop it before the stack.
+    pub fn replica(&mut self) -> Envoy {
+        self.replicas += 1;
+        let dir = self.dir.join(&format!("replica-{}", self.replicas));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        let mut config = self.envoy_config.clone();
+        config.access_log = Some(dir.join("access.log"));
+        Envoy::start(&config, &dir)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -116,33 +168,16 @@ impl Stack {
 
     /// The filter counter `name` (e.g. "affinity_hit"); 0 if not defined yet.
     pub fn counter(&self, name: &str) -> u64 {
-        find_metric(&self.metrics(), name).unwrap_or(0)
+        counter_of(&self.envoy, name)
     }
 
     /// Asserts that counter `name` reaches exactly `expected` (allowing it to settle).
     pub fn assert_counter(&self, name: &str, expected: u64) {
-        self.wait_counter(name, &format!("== {expected}"), |v| v == expected);
+        assert_counter_of(&self.envoy, name, expected);
     }
 
     pub fn assert_counter_at_least(&self, name: &str, minimum: u64) {
-        self.wait_counter(name, &format!(">= {minimum}"), |v| v >= minimum);
-    }
-
-    fn wait_counter(&self, name: &str, wanted: &str, ok: impl Fn(u64) -> bool) {
-        let deadline = Instant::now() + COUNTER_SETTLE;
-        loop {
-            let metrics = self.metrics();
-            let value = find_metric(&metrics, name);
-            if ok(value.unwrap_or(0)) {
-                return;
-            }
-            if Instant::now() >= deadline {
-                panic!(
-                    "counter {METRIC_PREFIX}{name}: wanted {wanted}, got {value:?}; all filter metrics: {metrics:#?}"
-                );
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        assert_counter_at_least_of(&self.envoy, name, minimum);
     }
 
     pub fn mock(&mut self, rank: u32) -> &mut MockRank {
@@ -164,6 +199,37 @@ impl Drop for Stack {
             .map(|(name, value)| format!("{name}={value}"))
             .collect();
         eprintln!("[{}] filter counters: {}", self.name, nonzero.join(" "));
+    }
+}
+
+/// The filter counter `name` of any Envoy (a stack's own, or a replica).
+pub fn counter_of(envoy: &Envoy, name: &str) -> u64 {
+    find_metric(&envoy.stats("dp_affinity"), name).unwrap_or(0)
+}
+
+/// Asserts that `envoy`'s filter counter `name` reaches exactly `expected`.
+pub fn assert_counter_of(envoy: &Envoy, name: &str, expected: u64) {
+    wait_counter(envoy, name, &format!("== {expected}"), |v| v == expected);
+}
+
+pub fn assert_counter_at_least_of(envoy: &Envoy, name: &str, minimum: u64) {
+    wait_counter(envoy, name, &format!(">= {minimum}"), |v| v >= minimum);
+}
+
+fn wait_counter(envoy: &Envoy, name: &str, wanted: &str, ok: impl Fn(u64) -> bool) {
+    let deadline = Instant::now() + COUNTER_SETTLE;
+    loop {
+        let metrics = envoy.stats("dp_affinity");
+        let value = find_metric(&metrics, name);
+        if ok(value.unwrap_or(0)) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "counter {METRIC_PREFIX}{name}: wanted {wanted}, got {value:?}; all filter metrics: {metrics:#?}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(25));
     }
 }
 
