@@ -77,6 +77,23 @@ fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     out
 }
 
+/// Appends `n` in decimal (what `format!` would do, without its machinery on the hot path).
+fn push_decimal(out: &mut String, mut n: u32) {
+    let mut digits = [0u8; 10];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[i..] {
+        out.push(char::from(d));
+    }
+}
+
 /// What a lookup found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
@@ -109,17 +126,23 @@ impl TableEvents {
 #[derive(Debug, Clone)]
 pub struct AffinityTable {
     cfg: TableConfig,
+    /// `"{namespace}/{buckets}/"`, computed once: a bucket key is this plus the index.
+    key_prefix: String,
 }
 
 impl AffinityTable {
     pub fn new(cfg: TableConfig) -> Self {
-        AffinityTable { cfg }
+        let key_prefix = format!("{}/{}/", cfg.namespace, cfg.buckets);
+        AffinityTable { cfg, key_prefix }
     }
 
     /// Store key of bucket `idx`. The geometry is part of the name so a reload with another bucket
     /// count starts a fresh table instead of reading entries filed under the old modulus.
     pub fn bucket_key(&self, idx: u32) -> String {
-        format!("{}/{}/{}", self.cfg.namespace, self.cfg.buckets, idx)
+        let mut key = String::with_capacity(self.key_prefix.len() + 10);
+        key.push_str(&self.key_prefix);
+        push_decimal(&mut key, idx);
+        key
     }
 
     /// Bucket of a key hash: the high 32 bits, scaled to the bucket count (no modulo bias worth
@@ -161,20 +184,32 @@ impl AffinityTable {
     pub fn lookup(&self, store: &dyn Store, hash: u64, now: u32, dp_size: u32) -> Lookup {
         let key = self.bucket_key(self.bucket_of(hash));
         let (value, cas) = store.get(&key);
-        let Some(bytes) = value else {
+        let Some(mut bytes) = value else {
             return Lookup::Miss;
         };
-        let mut entries = decode_bucket(&bytes, self.cfg.ways as usize);
-        let Some(pos) = entries.iter().position(|e| e.hash == hash) else {
+        // Read the entries where they lie (the hot path: no decoding into a new vector).
+        if !bytes.len().is_multiple_of(ENTRY) {
+            return Lookup::Miss;
+        }
+        let ways = self.cfg.ways as usize;
+        let found = bytes
+            .chunks_exact(ENTRY)
+            .take(ways)
+            .position(|chunk| chunk.get(0..8) == Some(&hash.to_le_bytes()[..]));
+        let Some(pos) = found else {
             return Lookup::Miss;
         };
-        let e = entries[pos];
+        let at = pos * ENTRY;
+        let Some(e) = bytes.get(at..at + ENTRY).and_then(Entry::decode) else {
+            return Lookup::Miss;
+        };
         if !self.is_live(&e, now) || u32::from(e.rank) >= dp_size {
             return Lookup::Miss;
         }
         if now.saturating_sub(e.last_used) >= self.cfg.refresh_seconds.max(1) && cas.is_some() {
-            entries[pos].last_used = now;
-            let _ = store.set(&key, &encode_bucket(&entries), cas);
+            // Rewrite only the timestamp, in the copy we already own.
+            bytes[at + 8..at + 12].copy_from_slice(&now.to_le_bytes());
+            let _ = store.set(&key, &bytes, cas);
         }
         Lookup::Hit {
             rank: u32::from(e.rank),
@@ -465,6 +500,14 @@ pub mod tests {
         for idx in 0..8 {
             assert_eq!(s.get(&t.bucket_key(idx)).0.as_deref(), Some(&[][..]));
         }
+    }
+
+    #[test]
+    fn bucket_keys_name_namespace_geometry_and_index() {
+        let t = table(16, 4);
+        assert_eq!(t.bucket_key(0), "t/16/0");
+        assert_eq!(t.bucket_key(u32::MAX), "t/16/4294967295");
+        assert_eq!(t.bucket_key(1234), "t/16/1234");
     }
 
     #[test]
