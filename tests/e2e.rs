@@ -16,47 +16,16 @@ use support::envoy::{self, EnvoyConfig};
 use support::fnv::fnv1a64_hex;
 use support::http::{self, Client, Request, Response};
 use support::paths;
+use support::requests::{chat, keyed, plugin_config, KEY_HEADER, RANK_HEADER};
 use support::stack::{echoed_rank, mock_info, served_rank, upstream_headers, Stack, StackOptions};
 use support::tempdir::TestDir;
 
-const DP_SIZE: u32 = 4;
-const KEY_HEADER: &str = "x-smg-routing-key";
-const RANK_HEADER: &str = "x-data-parallel-rank";
 const CLUSTER_HEADER: &str = "x-dp-affinity-cluster";
 
 // ---------------------------------------------------------------- helpers
 
-/// `{"dp_size": 4}` deep-merged with `overrides`.
-fn plugin_config(overrides: Value) -> Value {
-    let mut config = json!({ "dp_size": DP_SIZE });
-    merge(&mut config, overrides);
-    config
-}
-
-fn merge(base: &mut Value, overrides: Value) {
-    match (base, overrides) {
-        (Value::Object(base), Value::Object(overrides)) => {
-            for (key, value) in overrides {
-                merge(base.entry(key).or_insert(Value::Null), value);
-            }
-        }
-        (base, overrides) => *base = overrides,
-    }
-}
-
 fn start(name: &str, overrides: Value) -> Stack {
     Stack::start(name, StackOptions::new(plugin_config(overrides)))
-}
-
-/// A chat completion request; `extra` adds top-level body fields.
-fn chat(extra: Value) -> Request {
-    let mut body = json!({ "model": "mock", "messages": [{ "role": "user", "content": "hello" }] });
-    merge(&mut body, extra);
-    Request::post("/v1/chat/completions").json(&body)
-}
-
-fn keyed(key: &str) -> Request {
-    chat(json!({})).header(KEY_HEADER, key)
 }
 
 /// A raw body (not necessarily valid JSON) sent as `content_type`.

@@ -13,50 +13,18 @@ use serde_json::{json, Value};
 
 use support::envoy::Envoy;
 use support::http::{Client, Request, Response};
+use support::requests::{chat, keyed, merge, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER};
 use support::stack::{
     assert_counter_of, counter_of, mock_info, served_rank, upstream_headers, Stack, StackOptions,
 };
 
-const DP_SIZE: u32 = 4;
-const KEY_HEADER: &str = "x-smg-routing-key";
-const RANK_HEADER: &str = "x-data-parallel-rank";
-
 // ---------------------------------------------------------------- helpers
-
-/// `{"dp_size": 4}` deep-merged with `overrides`.
-fn plugin_config(overrides: Value) -> Value {
-    let mut config = json!({ "dp_size": DP_SIZE });
-    merge(&mut config, overrides);
-    config
-}
-
-fn merge(base: &mut Value, overrides: Value) {
-    match (base, overrides) {
-        (Value::Object(base), Value::Object(overrides)) => {
-            for (key, value) in overrides {
-                merge(base.entry(key).or_insert(Value::Null), value);
-            }
-        }
-        (base, overrides) => *base = overrides,
-    }
-}
 
 /// Hash placement with a fixed seed (replicas configured alike agree).
 fn hash_mode(extra: Value) -> Value {
     let mut overrides = json!({ "assign": { "mode": "hash", "seed": "placement-e2e" } });
     merge(&mut overrides, extra);
     plugin_config(overrides)
-}
-
-/// A chat completion request; `extra` adds top-level body fields.
-fn chat(extra: Value) -> Request {
-    let mut body = json!({ "model": "mock", "messages": [{ "role": "user", "content": "hello" }] });
-    merge(&mut body, extra);
-    Request::post("/v1/chat/completions").json(&body)
-}
-
-fn keyed(key: &str) -> Request {
-    chat(json!({})).header(KEY_HEADER, key)
 }
 
 /// `mock.inflight` of an answer: requests in progress on the serving (internal)

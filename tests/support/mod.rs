@@ -10,5 +10,6 @@ pub mod fnv;
 pub mod http;
 pub mod mock;
 pub mod paths;
+pub mod requests;
 pub mod stack;
 pub mod tempdir;
