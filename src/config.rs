@@ -39,6 +39,8 @@ struct RawExplicitRank {
     header: String,
     body_fields: Vec<String>,
     on_invalid: OnInvalid,
+    trusted_header: String,
+    trusted_secret: String,
 }
 
 impl Default for RawExplicitRank {
@@ -48,6 +50,8 @@ impl Default for RawExplicitRank {
             header: "x-data-parallel-rank".into(),
             body_fields: vec!["routed_dp_rank".into(), "data_parallel_rank".into()],
             on_invalid: OnInvalid::Reject,
+            trusted_header: String::new(),
+            trusted_secret: String::new(),
         }
     }
 }
@@ -221,10 +225,19 @@ fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
 }
 
 fn read_explicit(path: &str, v: &Value, r: &mut RawExplicitRank) -> Result<(), ConfigError> {
-    let names = ["enabled", "header", "body_fields", "on_invalid"];
+    let names = [
+        "enabled",
+        "header",
+        "body_fields",
+        "on_invalid",
+        "trusted_header",
+        "trusted_secret",
+    ];
     fields(path, v, &names, |name, path, v| {
         match name {
             "enabled" => r.enabled = as_bool(path, v)?,
+            "trusted_header" => r.trusted_header = as_string(path, v)?,
+            "trusted_secret" => r.trusted_secret = as_string(path, v)?,
             "header" => r.header = as_string(path, v)?,
             "body_fields" => r.body_fields = as_string_list(path, v)?,
             _ => {
@@ -519,6 +532,27 @@ pub struct ExplicitRankConfig {
     pub header: String,
     pub body_fields: Vec<String>,
     pub on_invalid: OnInvalid,
+    /// When set, only requests whose header (lower-case name) carries this secret may choose a
+    /// rank; everyone else's rank fields are ignored and the rank header stripped.
+    pub trust: Option<Trust>,
+}
+
+/// The shared secret that marks a trusted caller of the explicit-rank override.
+#[derive(Clone)]
+pub struct Trust {
+    pub header: String,
+    pub secret: Vec<u8>,
+}
+
+impl fmt::Debug for Trust {
+    // The secret never reaches a log line.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Trust {{ header: {:?}, secret: <redacted> }}",
+            self.header
+        )
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -627,11 +661,31 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
 }
 
 fn compile_explicit(raw: RawExplicitRank) -> Result<ExplicitRankConfig, ConfigError> {
+    let trust = match (raw.trusted_header.is_empty(), raw.trusted_secret.is_empty()) {
+        (true, true) => None,
+        (false, false) => Some(Trust {
+            header: header_name("explicit_rank.trusted_header", &raw.trusted_header)?,
+            secret: raw.trusted_secret.into_bytes(),
+        }),
+        (true, false) => {
+            return Err(err(
+                "explicit_rank.trusted_header",
+                "must be set together with explicit_rank.trusted_secret",
+            ))
+        }
+        (false, true) => {
+            return Err(err(
+                "explicit_rank.trusted_secret",
+                "must be set together with explicit_rank.trusted_header",
+            ))
+        }
+    };
     Ok(ExplicitRankConfig {
         enabled: raw.enabled,
         header: header_name("explicit_rank.header", &raw.header)?,
         body_fields: field_names("explicit_rank.body_fields", raw.body_fields)?,
         on_invalid: raw.on_invalid,
+        trust,
     })
 }
 
@@ -908,6 +962,17 @@ mod tests {
     }
 
     #[test]
+    fn trust_secret_is_never_printed() {
+        let c = parse(
+            r#"{"dp_size":4,"explicit_rank":{"trusted_header":"X-Router-Token","trusted_secret":"hunter2"}}"#,
+        )
+        .unwrap();
+        let t = c.explicit.trust.as_ref().unwrap();
+        assert_eq!(t.header, "x-router-token");
+        assert!(!format!("{c:?}").contains("hunter2"));
+    }
+
+    #[test]
     fn assign_and_target_modes() {
         let c = parse(
             r#"{"dp_size":8,"assign":{"mode":"bootstrap_room","seed":"s","load_factor":1.5},
@@ -1010,6 +1075,18 @@ mod tests {
                 "assign.room_field",
             ),
             (r#"{"dp_size":4,"target":{"mode":"dns"}}"#, "target.mode"),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t"}}"#,
+                "explicit_rank.trusted_header",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_secret":"s"}}"#,
+                "explicit_rank.trusted_secret",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"a b","trusted_secret":"s"}}"#,
+                "explicit_rank.trusted_header",
+            ),
             (
                 r#"{"dp_size":4,"target":{"mode":"engine_header","engine_header":""}}"#,
                 "target.engine_header",

@@ -59,7 +59,7 @@ pub enum HeaderStep {
 /// A routing-key header settles the request here: requests carrying one are never buffered, so a
 /// body rank field is not consulted for them (send the rank as a header in that case).
 pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) -> HeaderStep {
-    if cfg.explicit.enabled {
+    if cfg.explicit.enabled && h.trusted {
         if let Some(value) = h.explicit {
             let parsed = if h.explicit_conflict {
                 Err(RankError {
@@ -103,8 +103,13 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
 
 /// Decides from a complete JSON body (only called after `ReadBody`). `header_key` is a key that
 /// came in a header (only possible in `bootstrap_room` mode, where the body is read anyway): it
-/// beats any body key.
-pub fn decide_body(cfg: &Config, body: &[u8], header_key: Option<&[u8]>) -> Decision {
+/// beats any body key. `trusted`: the caller may choose a rank (see `HeaderFacts::trusted`).
+pub fn decide_body(
+    cfg: &Config,
+    body: &[u8],
+    header_key: Option<&[u8]>,
+    trusted: bool,
+) -> Decision {
     let without_body = |reason| without_body(cfg, reason, header_key);
     if body.len() > cfg.body.max_bytes {
         return without_body(Reason::BodyTooLarge);
@@ -113,7 +118,7 @@ pub fn decide_body(cfg: &Config, body: &[u8], header_key: Option<&[u8]>) -> Deci
         Ok(f) => f,
         Err(_) => return without_body(Reason::BodyMalformed),
     };
-    match facts.rank {
+    match facts.rank.filter(|_| trusted) {
         Some(Ok(rank)) => return Decision::Rank(rank),
         Some(Err(e)) if cfg.explicit.on_invalid == OnInvalid::Reject => {
             return Decision::Reject(reject(cfg, &e));
@@ -316,22 +321,22 @@ mod tests {
     fn body_decisions() {
         let c = cfg("");
         assert_eq!(
-            decide_body(&c, br#"{"routed_dp_rank":3,"routing_key":"k"}"#, None),
+            decide_body(&c, br#"{"routed_dp_rank":3,"routing_key":"k"}"#, None, true),
             Decision::Rank(3)
         );
         assert!(matches!(
-            decide_body(&c, br#"{"routed_dp_rank":4}"#, None),
+            decide_body(&c, br#"{"routed_dp_rank":4}"#, None, true),
             Decision::Reject(_)
         ));
         assert_eq!(
-            decide_body(&c, br#"{"model":"m"}"#, None),
+            decide_body(&c, br#"{"model":"m"}"#, None, true),
             Decision::Fallback(Reason::NoKey)
         );
         assert_eq!(
-            decide_body(&c, br#"{"model":"#, None),
+            decide_body(&c, br#"{"model":"#, None, true),
             Decision::Fallback(Reason::BodyMalformed)
         );
-        let header_key = decide_body(&c, br#"{"routing_key":"abc"}"#, None);
+        let header_key = decide_body(&c, br#"{"routing_key":"abc"}"#, None, true);
         assert_eq!(
             header_key,
             Decision::Key {
@@ -342,12 +347,12 @@ mod tests {
         );
         let long = format!(r#"{{"user":"{}"}}"#, "x".repeat(600));
         assert!(matches!(
-            decide_body(&c, long.as_bytes(), None),
+            decide_body(&c, long.as_bytes(), None, true),
             Decision::Key { too_long: true, .. }
         ));
         let small = cfg(r#","body":{"max_bytes":10}"#);
         assert_eq!(
-            decide_body(&small, br#"{"routing_key":"abc"}"#, None),
+            decide_body(&small, br#"{"routing_key":"abc"}"#, None, true),
             Decision::Fallback(Reason::BodyTooLarge)
         );
         let ignore = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
@@ -355,7 +360,8 @@ mod tests {
             decide_body(
                 &ignore,
                 br#"{"routed_dp_rank":"x","routing_key":"k"}"#,
-                None
+                None,
+                true
             ),
             Decision::Key { .. }
         ));
@@ -367,10 +373,10 @@ mod tests {
         let h = headers(&c, &[JSON, ("x-routing-key", "k")]);
         assert_eq!(decide_headers(&c, &h, false), HeaderStep::ReadBody);
         assert_eq!(
-            decide_body(&c, br#"{"bootstrap_room":6}"#, Some(b"k")),
+            decide_body(&c, br#"{"bootstrap_room":6}"#, Some(b"k"), true),
             Decision::Room(2)
         );
-        let by_header = decide_body(&c, br#"{"routing_key":"body"}"#, Some(b"k"));
+        let by_header = decide_body(&c, br#"{"routing_key":"body"}"#, Some(b"k"), true);
         assert_eq!(
             by_header,
             Decision::Key {
@@ -380,7 +386,7 @@ mod tests {
             "no room: the header key still beats the body key"
         );
         assert!(matches!(
-            decide_body(&c, b"{", Some(b"k")),
+            decide_body(&c, b"{", Some(b"k"), true),
             Decision::Key { .. }
         ));
         let explicit = headers(&c, &[JSON, ("x-data-parallel-rank", "1")]);
@@ -388,6 +394,36 @@ mod tests {
             decide_headers(&c, &explicit, false),
             HeaderStep::Decided(Decision::Rank(1))
         );
+    }
+
+    #[test]
+    fn untrusted_callers_cannot_choose_a_rank() {
+        let c = cfg(r#","explicit_rank":{"trusted_header":"x-router-token","trusted_secret":"s"}"#);
+        let untrusted = headers(&c, &[("x-data-parallel-rank", "2"), ("x-routing-key", "k")]);
+        assert!(matches!(
+            decide_headers(&c, &untrusted, true),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+        let bad = headers(&c, &[("x-data-parallel-rank", "9")]);
+        assert_eq!(
+            decide_headers(&c, &bad, true),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey)),
+            "an untrusted invalid rank is ignored, not rejected"
+        );
+        let trusted = headers(
+            &c,
+            &[("x-data-parallel-rank", "2"), ("x-router-token", "s")],
+        );
+        assert_eq!(
+            decide_headers(&c, &trusted, true),
+            HeaderStep::Decided(Decision::Rank(2))
+        );
+        let body = br#"{"routed_dp_rank":1,"routing_key":"k"}"#;
+        assert!(matches!(
+            decide_body(&c, body, None, false),
+            Decision::Key { .. }
+        ));
+        assert_eq!(decide_body(&c, body, None, true), Decision::Rank(1));
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub struct HeaderFacts<'a> {
     pub content_length: Option<&'a [u8]>,
     /// A client sent the internal cluster header (always stripped).
     pub has_cluster_header: bool,
+    /// The caller may use the explicit-rank override: no trust is configured, or every copy of
+    /// the trust header carries the secret.
+    pub trusted: bool,
+    /// The trust header is present (stripped before the upstream: the engine never sees it).
+    pub has_trust_header: bool,
 }
 
 impl<'a> HeaderFacts<'a> {
@@ -36,8 +41,15 @@ impl<'a> HeaderFacts<'a> {
     /// comparing case-insensitively costs nothing and keeps other hosts honest.
     pub fn collect(cfg: &Config, headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Self {
         let mut f = HeaderFacts::default();
+        let trust = cfg.explicit.trust.as_ref();
+        let mut secret_ok = trust.is_none();
         for (name, value) in headers {
-            if name.eq_ignore_ascii_case(cfg.explicit.header.as_bytes()) {
+            if trust.is_some_and(|t| name.eq_ignore_ascii_case(t.header.as_bytes())) {
+                let first = !f.has_trust_header;
+                f.has_trust_header = true;
+                let matches = trust.is_some_and(|t| constant_time_eq(value, &t.secret));
+                secret_ok = matches && (first || secret_ok);
+            } else if name.eq_ignore_ascii_case(cfg.explicit.header.as_bytes()) {
                 match f.explicit {
                     None => f.explicit = Some(value),
                     Some(first) if first != value => f.explicit_conflict = true,
@@ -61,6 +73,7 @@ impl<'a> HeaderFacts<'a> {
                 }
             }
         }
+        f.trusted = secret_ok;
         f
     }
 
@@ -125,6 +138,15 @@ impl ResponseFacts {
     pub fn failed(&self) -> bool {
         self.status >= 500 || self.status == 0
     }
+}
+
+/// Compares without an early exit, so response timing does not reveal how much of a guessed
+/// secret was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Trims HTTP optional whitespace (space and tab) from both ends.
@@ -297,6 +319,33 @@ mod tests {
         assert!(f.has_cluster_header);
         assert!(f.is_json(&c));
         assert_eq!(f.declared_length(), Some(12));
+    }
+
+    #[test]
+    fn trust_header_must_carry_the_secret() {
+        let c = Config::from_json(
+            br#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-router-token","trusted_secret":"s3cret"}}"#,
+        )
+        .unwrap();
+        let cases: [(&[(&str, &str)], bool); 5] = [
+            (&[("x-router-token", "s3cret")], true),
+            (&[("X-Router-Token", "s3cret")], true),
+            (&[("x-router-token", "s3cre")], false),
+            (
+                &[("x-router-token", "s3cret"), ("x-router-token", "nope")],
+                false,
+            ),
+            (&[], false),
+        ];
+        for (h, trusted) in cases {
+            let f = facts(&c, h);
+            assert_eq!(f.trusted, trusted, "{h:?}");
+            assert_eq!(f.has_trust_header, !h.is_empty());
+        }
+        assert!(
+            facts(&cfg(), &[]).trusted,
+            "no trust configured: everyone may"
+        );
     }
 
     #[test]

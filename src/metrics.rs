@@ -24,10 +24,11 @@ pub enum Counter {
     Room,
     RankCooldown,
     NoUsableRank,
+    UntrustedRank,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 21] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -48,6 +49,7 @@ impl Counter {
         Counter::Room,
         Counter::RankCooldown,
         Counter::NoUsableRank,
+        Counter::UntrustedRank,
     ];
 
     /// The metric name as defined with the host.
@@ -73,6 +75,7 @@ impl Counter {
             Counter::Room => "dp_affinity.bootstrap_room",
             Counter::RankCooldown => "dp_affinity.rank_cooldown",
             Counter::NoUsableRank => "dp_affinity.no_usable_rank",
+            Counter::UntrustedRank => "dp_affinity.untrusted_rank",
         }
     }
 

@@ -324,6 +324,50 @@ fn explicit_rank_disabled() {
     stack.assert_counter("no_key", 16);
 }
 
+/// With a trust secret configured, only callers presenting it may choose a rank; everyone
+/// else's rank (header or body) is ignored and stripped, and the secret never reaches the engine.
+#[test]
+fn explicit_rank_trusted_callers_only() {
+    const TOKEN: &str = "x-router-token";
+    let stack = start(
+        "explicit_rank_trusted",
+        json!({ "explicit_rank": { "trusted_header": TOKEN, "trusted_secret": "s3cret" } }),
+    );
+    let trusted = chat(json!({}))
+        .header(RANK_HEADER, "2")
+        .header(TOKEN, "s3cret");
+    for _ in 0..5 {
+        let response = stack.send(&trusted);
+        assert_eq!(served_rank(&response), 2);
+        assert_not_forwarded(&response, TOKEN);
+    }
+    let wrong_secret = chat(json!({}))
+        .header(RANK_HEADER, "2")
+        .header(TOKEN, "guess");
+    let no_secret_body = chat(json!({ "routed_dp_rank": 2 }));
+    let no_secret_invalid = chat(json!({})).header(RANK_HEADER, "99");
+    let mut ranks = Vec::new();
+    for request in [&wrong_secret, &no_secret_body, &no_secret_invalid] {
+        for _ in 0..6 {
+            let response = stack.send(request);
+            assert_eq!(
+                response.status, 200,
+                "untrusted ranks are ignored, not rejected"
+            );
+            ranks.push(served_rank(&response));
+            assert_not_forwarded(&response, RANK_HEADER);
+            assert_not_forwarded(&response, TOKEN);
+        }
+    }
+    assert!(
+        distinct(ranks.iter().copied()).len() >= 2,
+        "an untrusted rank was honoured: {ranks:?}"
+    );
+    stack.assert_counter("explicit", 5);
+    stack.assert_counter("invalid_rank", 0);
+    stack.assert_counter("untrusted_rank", 12);
+}
+
 // ---------------------------------------------------------------- 5./6. routing keys
 
 #[test]

@@ -214,6 +214,7 @@ impl RootContext for Root {
             header_key: None,
             routed: Routed::Unset,
             acquired: None,
+            trusted: false,
         }))
     }
 
@@ -247,6 +248,8 @@ struct Filter {
     routed: Routed,
     /// The rank this request is counted in flight on, released when the stream ends.
     acquired: Option<u32>,
+    /// The caller may use the explicit-rank override (body fields included).
+    trusted: bool,
 }
 
 impl Context for Filter {}
@@ -268,10 +271,21 @@ impl HttpContext for Filter {
             let _ = abi::remove_header(REQUEST_HEADERS, &cfg.cluster_header);
             rt.counters.add(Counter::ClusterHeaderStripped, 1);
         }
-        if !cfg.explicit.enabled && facts.explicit.is_some() {
-            // The override is off: the engine behind must not see the client's rank either.
+        if facts.explicit.is_some() && !(cfg.explicit.enabled && facts.trusted) {
+            // The override is off, or this caller may not use it: the engine behind must not
+            // see the client's rank either.
             let _ = abi::remove_header(REQUEST_HEADERS, &cfg.explicit.header);
+            if cfg.explicit.enabled {
+                rt.counters.add(Counter::UntrustedRank, 1);
+            }
         }
+        if facts.has_trust_header {
+            // The secret is between the caller and this filter.
+            if let Some(trust) = &cfg.explicit.trust {
+                let _ = abi::remove_header(REQUEST_HEADERS, &trust.header);
+            }
+        }
+        self.trusted = facts.trusted;
         match decide_headers(cfg, &facts, end_of_stream) {
             HeaderStep::ReadBody => {
                 self.awaiting_body = true;
@@ -378,7 +392,7 @@ impl Filter {
         self.awaiting_body = false;
         let header_key = self.header_key.take();
         let decision = match abi::request_body(0, self.body_size) {
-            Ok(body) => decide_body(&self.rt.cfg, &body, header_key.as_deref()),
+            Ok(body) => decide_body(&self.rt.cfg, &body, header_key.as_deref(), self.trusted),
             Err(e) => {
                 warn!("[{}] cannot read request body: status {}", self.id, e.0);
                 without_body(&self.rt.cfg, Reason::NoKey, header_key.as_deref())
