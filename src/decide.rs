@@ -149,17 +149,19 @@ fn key_decision(cfg: &Config, key: &[u8]) -> Decision {
     }
 }
 
-/// Resolves a routing key against the affinity table.
+/// Resolves a routing key against the affinity table: the pinned rank, if any, and whether the
+/// bucket failed to decode (read as empty; worth a counter).
 pub fn resolve_key(
     cfg: &Config,
     table: &AffinityTable,
     store: &dyn Store,
     hash: u64,
     now: u32,
-) -> Option<u32> {
+) -> (Option<u32>, bool) {
     match table.lookup(store, hash, now, cfg.dp_size) {
-        Lookup::Hit { rank } => Some(rank),
-        Lookup::Miss => None,
+        Lookup::Hit { rank } => (Some(rank), false),
+        Lookup::Miss => (None, false),
+        Lookup::Undecodable => (None, true),
     }
 }
 
@@ -432,8 +434,10 @@ mod tests {
         let t = AffinityTable::new(c.table.clone());
         let s = MemStore::default();
         let h = c.key.hasher.hash(b"conv-1");
-        assert_eq!(resolve_key(&c, &t, &s, h, 100), None);
+        assert_eq!(resolve_key(&c, &t, &s, h, 100), (None, false));
         t.pin(&s, h, 2, 100);
-        assert_eq!(resolve_key(&c, &t, &s, h, 101), Some(2));
+        assert_eq!(resolve_key(&c, &t, &s, h, 101), (Some(2), false));
+        s.raw_set(&t.bucket_key(t.bucket_of(h)), vec![1, 2, 3]);
+        assert_eq!(resolve_key(&c, &t, &s, h, 101), (None, true));
     }
 }

@@ -25,10 +25,11 @@ pub enum Counter {
     RankCooldown,
     NoUsableRank,
     UntrustedRank,
+    BucketUndecodable,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 21] = [
+    pub const ALL: [Counter; 22] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -50,6 +51,7 @@ impl Counter {
         Counter::RankCooldown,
         Counter::NoUsableRank,
         Counter::UntrustedRank,
+        Counter::BucketUndecodable,
     ];
 
     /// The metric name as defined with the host.
@@ -76,6 +78,7 @@ impl Counter {
             Counter::RankCooldown => "dp_affinity.rank_cooldown",
             Counter::NoUsableRank => "dp_affinity.no_usable_rank",
             Counter::UntrustedRank => "dp_affinity.untrusted_rank",
+            Counter::BucketUndecodable => "dp_affinity.bucket_undecodable",
         }
     }
 

@@ -101,6 +101,8 @@ pub enum Lookup {
     Hit { rank: u32 },
     /// No live entry (absent, expired, or on a rank outside `0..dp_size`).
     Miss,
+    /// The bucket's bytes do not decode: read as empty (a miss), and counted.
+    Undecodable,
 }
 
 /// Side effects worth counting, reported back to the caller (who owns the metrics).
@@ -112,6 +114,8 @@ pub struct TableEvents {
     pub cas_retries: u32,
     /// Writes abandoned after all retries lost.
     pub cas_exhausted: u32,
+    /// Buckets whose bytes did not decode (read as empty, then rewritten).
+    pub undecodable: u32,
 }
 
 impl TableEvents {
@@ -119,6 +123,7 @@ impl TableEvents {
         self.evictions += other.evictions;
         self.cas_retries += other.cas_retries;
         self.cas_exhausted += other.cas_exhausted;
+        self.undecodable += other.undecodable;
     }
 }
 
@@ -189,7 +194,7 @@ impl AffinityTable {
         };
         // Read the entries where they lie (the hot path: no decoding into a new vector).
         if !bytes.len().is_multiple_of(ENTRY) {
-            return Lookup::Miss;
+            return Lookup::Undecodable;
         }
         let ways = self.cfg.ways as usize;
         let found = bytes
@@ -268,8 +273,12 @@ impl AffinityTable {
         let mut events = TableEvents::default();
         for attempt in 0..=self.cfg.cas_retries {
             let (value, cas) = store.get(&key);
-            let mut entries = decode_bucket(value.as_deref().unwrap_or(&[]), ways);
+            let bytes = value.as_deref().unwrap_or(&[]);
+            let mut entries = decode_bucket(bytes, ways);
             let mut attempt_events = TableEvents::default();
+            if !bytes.len().is_multiple_of(ENTRY) {
+                attempt_events.undecodable += 1;
+            }
             if !change(&mut entries, ways, &mut attempt_events) {
                 return events;
             }
@@ -473,8 +482,8 @@ pub mod tests {
         let key = t.bucket_key(0);
         for garbage in [vec![1u8; 15], vec![0xff; 17], vec![7u8; 3]] {
             s.raw_set(&key, garbage);
-            assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Miss);
-            t.pin(&s, 42, 1, 5);
+            assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Undecodable);
+            assert_eq!(t.pin(&s, 42, 1, 5).undecodable, 1);
             assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Hit { rank: 1 });
         }
         // More entries than ways (e.g. after a reload with fewer ways): only `ways` are read.

@@ -75,6 +75,7 @@ impl Counters {
         self.add(Counter::Evictions, ev.evictions);
         self.add(Counter::CasRetries, ev.cas_retries);
         self.add(Counter::CasExhausted, ev.cas_exhausted);
+        self.add(Counter::BucketUndecodable, ev.undecodable);
     }
 
     fn add_board_events(&self, ev: BoardEvents) {
@@ -418,7 +419,11 @@ impl Filter {
                 if too_long {
                     rt.counters.add(Counter::KeyTooLong, 1);
                 }
-                let pinned = resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
+                let (pinned, undecodable) =
+                    resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
+                if undecodable {
+                    rt.counters.add(Counter::BucketUndecodable, 1);
+                }
                 if rt.cfg.assign.tracks_load() {
                     self.place_key(hash, pinned, from_body);
                 } else if let Some(rank) = pinned {
