@@ -32,13 +32,17 @@ export ENVOY_VERSION
 export DP_AFFINITY_ENVOY ?= $(VENV)/bin/envoy
 export DP_AFFINITY_WASM ?= $(TARGET_DIR)/$(WASM_TARGET)/release/dp_affinity.wasm
 export DP_AFFINITY_MOCK ?= $(TARGET_DIR)/release/mock-rank
+# A test-only build with the `fault-injection` feature (a marked request panics the VM), kept in
+# its own target directory so it can never be mistaken for the shipped artifact.
+FAULT_TARGET_DIR := $(TARGET_DIR)/fault
+export DP_AFFINITY_FAULT_WASM ?= $(FAULT_TARGET_DIR)/$(WASM_TARGET)/release/dp_affinity.wasm
 
 # The e2e test binaries themselves only drive HTTP clients, so a debug build is enough and reuses
 # what `make unit` compiled (a --release build would recompile dp-affinity with LTO for nothing).
 # Set E2E_PROFILE=--release to build them optimised.
 E2E_PROFILE ?=
 
-.PHONY: all tools build wasm mock run test lint fmt validate unit e2e bench clean distclean
+.PHONY: all tools build wasm wasm-fault mock run test lint fmt validate unit e2e bench clean distclean
 
 all: build
 
@@ -56,6 +60,9 @@ wasm: tools
 mock:
 	$(CARGO) build --release -p mock-rank
 
+wasm-fault: tools
+	CARGO_TARGET_DIR=$(FAULT_TARGET_DIR) $(CARGO) build --release --target $(WASM_TARGET) -p dp-affinity --features fault-injection
+
 run: tools build
 	@scripts/run.sh
 
@@ -63,6 +70,7 @@ lint: tools
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p dp-affinity --target $(WASM_TARGET) -- -D warnings
+	$(CARGO) clippy -p dp-affinity --target $(WASM_TARGET) --features fault-injection -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
@@ -91,7 +99,7 @@ unit:
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p dp-affinity --doc
 
-e2e: tools build
+e2e: tools build wasm-fault
 	$(CARGO) test $(E2E_PROFILE) -p dp-affinity --test '*'
 
 # Order matters only for a readable log: cheap checks first, so a format slip fails in seconds.

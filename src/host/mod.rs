@@ -264,6 +264,13 @@ impl HttpContext for Filter {
                 return Action::Continue;
             }
         };
+        #[cfg(feature = "fault-injection")]
+        if headers
+            .pairs()
+            .any(|(n, _)| n == b"x-dp-affinity-test-panic")
+        {
+            panic!("fault injection: x-dp-affinity-test-panic");
+        }
         let rt = self.rt.clone();
         let cfg = &rt.cfg;
         let facts = HeaderFacts::collect(cfg, headers.pairs());
