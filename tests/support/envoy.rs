@@ -54,7 +54,17 @@ pub struct EnvoyConfig {
     /// Envoy access log (cluster, upstream host, flags): evidence when a test fails.
     pub access_log: Option<PathBuf>,
     pub topology: Topology,
+    /// The listener's `per_connection_buffer_limit_bytes` (also the limit of a
+    /// stream's request buffer): Envoy answers 413 to a body it must buffer past it.
+    pub buffer_limit_bytes: u32,
+    /// The HTTP connection manager's `max_request_headers_kb`; `None` keeps
+    /// Envoy's default (60 KiB), past which it answers 431.
+    pub max_request_headers_kb: Option<u32>,
 }
+
+/// The listener buffer limit of the shipped configs: lets Envoy buffer the
+/// filter's default 8 MiB body limit.
+pub const DEFAULT_BUFFER_LIMIT_BYTES: u32 = 10_485_760;
 
 impl EnvoyConfig {
     pub fn new(rank_ports: Vec<u16>, wasm: Option<PathBuf>, plugin_config: Value) -> EnvoyConfig {
@@ -66,6 +76,8 @@ impl EnvoyConfig {
             fallback_retries: true,
             access_log: None,
             topology: Topology::PerRankClusters,
+            buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
+            max_request_headers_kb: None,
         }
     }
 }
@@ -111,11 +123,14 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
     if let Some(path) = &config.access_log {
         hcm["access_log"] = access_log(path);
     }
+    if let Some(kb) = config.max_request_headers_kb {
+        hcm["max_request_headers_kb"] = json!(kb);
+    }
     json!({
         "name": "main",
         "address": socket_address(port),
-        // Lets Envoy buffer the filter's 8 MiB body limit.
-        "per_connection_buffer_limit_bytes": 10_485_760,
+        // The default lets Envoy buffer the filter's 8 MiB body limit.
+        "per_connection_buffer_limit_bytes": config.buffer_limit_bytes,
         "filter_chains": [{
             "filters": [{
                 "name": "envoy.filters.network.http_connection_manager",
@@ -214,11 +229,18 @@ fn clusters(config: &EnvoyConfig) -> Vec<Value> {
         .enumerate()
         .map(|(rank, port)| static_cluster(&format!("dp-rank-{rank}"), &[*port], "ROUND_ROBIN"))
         .collect();
-    clusters.push(static_cluster(
-        ALL_RANKS_CLUSTER,
-        rank_ports,
-        "LEAST_REQUEST",
-    ));
+    let mut all = static_cluster(ALL_RANKS_CLUSTER, rank_ports, "LEAST_REQUEST");
+    all["circuit_breakers"] =
+        json!({ "thresholds": [{ "priority": "DEFAULT", "max_retries": 1024 }] });
+    all["outlier_detection"] = json!({
+        "split_external_local_origin_errors": true,
+        "consecutive_local_origin_failure": 2,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "interval": "1s",
+        "base_ejection_time": "10s",
+        "max_ejection_percent": 50
+    });
+    clusters.push(all);
     clusters
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::envoy::{Envoy, EnvoyConfig, Topology};
+use super::envoy::{Envoy, EnvoyConfig, Topology, DEFAULT_BUFFER_LIMIT_BYTES};
 use super::http::{Request, Response};
 use super::mock::MockRank;
 use super::paths;
@@ -36,6 +36,10 @@ pub struct StackOptions {
     /// One engine-mode mock with `dp_size` internal ranks behind a single cluster
     /// (`Topology::SingleEngine`) instead of one mock per rank.
     pub engine: bool,
+    /// The listener's `per_connection_buffer_limit_bytes`.
+    pub buffer_limit_bytes: u32,
+    /// The connection manager's `max_request_headers_kb` (`None`: Envoy's default).
+    pub max_request_headers_kb: Option<u32>,
 }
 
 impl StackOptions {
@@ -45,10 +49,24 @@ impl StackOptions {
             mock_args: Vec::new(),
             with_filter: true,
             allow_on_headers_stop_iteration: true,
-            fallback_retries: false,
+            fallback_retries: true,
             rank_args: BTreeMap::new(),
             engine: false,
+            buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
+            max_request_headers_kb: None,
         }
+    }
+
+    /// Sets the listener's `per_connection_buffer_limit_bytes`.
+    pub fn buffer_limit(mut self, bytes: u32) -> StackOptions {
+        self.buffer_limit_bytes = bytes;
+        self
+    }
+
+    /// Sets the connection manager's `max_request_headers_kb`.
+    pub fn max_request_headers_kb(mut self, kb: u32) -> StackOptions {
+        self.max_request_headers_kb = Some(kb);
+        self
     }
 
     pub fn rank_args(mut self, rank: u32, args: &[&str]) -> StackOptions {
@@ -126,6 +144,8 @@ impl Stack {
         config.allow_on_headers_stop_iteration = options.allow_on_headers_stop_iteration;
         config.fallback_retries = options.fallback_retries;
         config.access_log = Some(dir.join("access.log"));
+        config.buffer_limit_bytes = options.buffer_limit_bytes;
+        config.max_request_headers_kb = options.max_request_headers_kb;
         if options.engine {
             config.topology = Topology::SingleEngine;
         }
