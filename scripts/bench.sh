@@ -7,11 +7,12 @@
 # wrk outputs and the Envoy log go to results/bench-<UTC date>/.
 #
 #   make bench                 builds the tools, the wasm and the mock first, then runs this
-#   scripts/bench.sh [--quick] expects `make build` to have run; --quick: ~1 minute, noisier
+#   scripts/bench.sh [--quick] expects `make build` to have run; --quick: shorter, noisier
 #
-# Takes about 4 minutes (and less than a minute with --quick) on the 2-core machines. Everything it
-# starts (Envoy, wrk, the bench binary) is a child that is stopped before it returns, also on
-# Ctrl-C. Environment knobs of the Envoy part: see scripts/bench-envoy.sh.
+# Takes about 4.5 minutes (1.5 with --quick) on the 2-core machines, plus compiling the bench
+# binary when the source changed. Everything it starts (Envoy, wrk, the bench binary) is a child
+# that is stopped before it returns, also on Ctrl-C. Environment knobs of the Envoy part: see
+# scripts/bench-envoy.sh.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ QUICK=0
 for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
-        -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
     esac
 done
