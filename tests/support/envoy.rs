@@ -149,6 +149,9 @@ fn wasm_filter(wasm: &Path, config: &EnvoyConfig) -> Value {
                 "name": "dp_affinity",
                 "root_id": "dp_affinity",
                 "allow_on_headers_stop_iteration": config.allow_on_headers_stop_iteration,
+                // As shipped: a failed VM fails its requests and is replaced by a fresh one.
+                "failure_policy": "FAIL_RELOAD",
+                "reload_config": { "backoff": { "base_interval": "0.2s", "max_interval": "5s" } },
                 "vm_config": {
                     "vm_id": "dp_affinity",
                     "runtime": "envoy.wasm.runtime.v8",

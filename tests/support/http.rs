@@ -55,8 +55,47 @@ impl Request {
         self.header("content-type", content_type)
     }
 
-    /// The bytes on the wire. `close` asks the server to close after the response.
-    fn encode(&self, close: bool) -> Vec<u8> {
+    /// The request as a chunked upload (no content-length): the head, then the
+    /// body cut at `splits` (ascending offsets) into one HTTP chunk per piece, then
+    /// the last chunk. Returned as wire pieces: the head with the first chunk,
+    /// each further chunk, and the terminating zero chunk with the last one, so a
+    /// caller can flush (and pause) between pieces.
+    pub fn chunked_pieces(&self, splits: &[usize], close: bool) -> Vec<Vec<u8>> {
+        let mut head = self.head(close, None);
+        head.truncate(head.len() - 2); // reopen the header block
+        head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n");
+        let mut bounds = vec![0];
+        bounds.extend(
+            splits
+                .iter()
+                .copied()
+                .filter(|&s| s > 0 && s < self.body.len()),
+        );
+        bounds.push(self.body.len());
+        let mut pieces: Vec<Vec<u8>> = bounds
+            .windows(2)
+            .filter(|w| w[1] > w[0])
+            .map(|w| {
+                let chunk = &self.body[w[0]..w[1]];
+                let mut piece = format!("{:x}\r\n", chunk.len()).into_bytes();
+                piece.extend_from_slice(chunk);
+                piece.extend_from_slice(b"\r\n");
+                piece
+            })
+            .collect();
+        if pieces.is_empty() {
+            pieces.push(Vec::new());
+        }
+        pieces[0].splice(0..0, head);
+        pieces
+            .last_mut()
+            .expect("one piece")
+            .extend_from_slice(b"0\r\n\r\n");
+        pieces
+    }
+
+    /// The request line and headers (with `content-length: len` when given).
+    fn head(&self, close: bool, content_length: Option<usize>) -> Vec<u8> {
         let mut head = format!(
             "{} {} HTTP/1.1\r\nhost: localhost\r\n",
             self.method, self.path
@@ -64,14 +103,20 @@ impl Request {
         for (name, value) in &self.headers {
             head.push_str(&format!("{name}: {value}\r\n"));
         }
-        if !self.body.is_empty() || self.method == "POST" {
-            head.push_str(&format!("content-length: {}\r\n", self.body.len()));
+        if let Some(length) = content_length {
+            head.push_str(&format!("content-length: {length}\r\n"));
         }
         if close {
             head.push_str("connection: close\r\n");
         }
         head.push_str("\r\n");
-        let mut bytes = head.into_bytes();
+        head.into_bytes()
+    }
+
+    /// The bytes on the wire. `close` asks the server to close after the response.
+    pub fn encode(&self, close: bool) -> Vec<u8> {
+        let length = (!self.body.is_empty() || self.method == "POST").then_some(self.body.len());
+        let mut bytes = self.head(close, length);
         bytes.extend_from_slice(&self.body);
         bytes
     }
@@ -151,6 +196,132 @@ impl Client {
         }
         response
     }
+
+    /// Writes `pieces` one after the other on the kept-alive connection, flushing
+    /// each and sleeping `gap` between them, then reads one response to `method`.
+    pub fn send_pieces(&mut self, pieces: &[Vec<u8>], gap: Duration, method: &str) -> Response {
+        let addr = self.addr;
+        let reader = self.conn.get_or_insert_with(|| connect(addr));
+        for (i, piece) in pieces.iter().enumerate() {
+            if i > 0 && !gap.is_zero() {
+                std::thread::sleep(gap);
+            }
+            let stream = reader.get_mut();
+            stream
+                .write_all(piece)
+                .and_then(|()| stream.flush())
+                .unwrap_or_else(|e| panic!("write piece {i}: {e}"));
+        }
+        let response = read_response(reader, method);
+        if response.closes() {
+            self.conn = None;
+        }
+        response
+    }
+}
+
+/// What came back for raw bytes sent on a fresh connection, for inputs a proxy
+/// may refuse (413, 431, 400): the server may answer and close before it read
+/// everything, so a failed write is recorded rather than fatal.
+#[derive(Debug)]
+pub struct RawOutcome {
+    /// The parsed response, if a complete one arrived.
+    pub response: Option<Response>,
+    /// Everything read until the server closed (or the read timed out / reset).
+    pub received: Vec<u8>,
+    /// The error that stopped the upload, if the server stopped reading.
+    pub write_error: Option<String>,
+    /// The error that ended the read, if it did not end with a clean close.
+    pub read_error: Option<String>,
+}
+
+impl RawOutcome {
+    /// The status line (first line of what was received), for reports.
+    pub fn status_line(&self) -> String {
+        let text = String::from_utf8_lossy(&self.received);
+        text.lines().next().unwrap_or("").to_string()
+    }
+}
+
+/// Sends raw `bytes` (a request the test encoded itself, e.g. with non-UTF-8
+/// header values) on a fresh connection and reads until the server closes.
+/// `bytes` should ask for `connection: close`. The upload runs on its own
+/// thread so a server that answers early and stops reading cannot block it.
+pub fn send_raw(addr: SocketAddr, bytes: Vec<u8>, method: &str) -> RawOutcome {
+    use std::io::Read;
+    let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .expect("read timeout");
+    stream
+        .set_write_timeout(Some(IO_TIMEOUT))
+        .expect("write timeout");
+    stream.set_nodelay(true).expect("nodelay");
+    let mut writer = stream.try_clone().expect("clone stream");
+    let upload = std::thread::spawn(move || {
+        writer
+            .write_all(&bytes)
+            .and_then(|()| writer.flush())
+            .err()
+            .map(|e| e.to_string())
+    });
+    let mut reader = stream;
+    let mut received = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let read_error = loop {
+        match reader.read(&mut buf) {
+            Ok(0) => break None,
+            Ok(n) => received.extend_from_slice(&buf[..n]),
+            Err(e) => break Some(e.to_string()),
+        }
+    };
+    // Unblock an upload the server no longer reads.
+    let _ = reader.shutdown(std::net::Shutdown::Both);
+    let write_error = upload.join().expect("upload thread");
+    let response = parse_complete(&received, method);
+    RawOutcome {
+        response,
+        received,
+        write_error,
+        read_error,
+    }
+}
+
+/// Parses one response out of `bytes` if they hold a complete one (without
+/// panicking on a partial or garbled answer: the caller reports the raw bytes).
+fn parse_complete(bytes: &[u8], method: &str) -> Option<Response> {
+    let head_end = bytes.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&bytes[..head_end]).ok()?;
+    let mut lines = head.split("\r\n");
+    let mut parts = lines.next()?.split_whitespace();
+    if !parts.next()?.starts_with("HTTP/1.") {
+        return None;
+    }
+    let status: u16 = parts.next()?.parse().ok()?;
+    let mut headers = Vec::new();
+    for line in lines {
+        let (name, value) = line.split_once(':')?;
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
+    }
+    let rest = &bytes[head_end + 4..];
+    let body = if method == "HEAD" || status == 204 || status == 304 {
+        Vec::new()
+    } else if is_chunked(&headers) {
+        if !rest.ends_with(b"0\r\n\r\n") {
+            return None;
+        }
+        read_chunked_body(&mut BufReader::new(rest))
+    } else if let Some((_, length)) = headers.iter().find(|(n, _)| n == "content-length") {
+        rest.get(..length.parse::<usize>().ok()?)?.to_vec()
+    } else {
+        rest.to_vec()
+    };
+    Some(Response {
+        status,
+        headers,
+        body,
+    })
 }
 
 /// A response read chunk by chunk, each stamped with its arrival time.

@@ -7,6 +7,7 @@
 
 pub mod envoy;
 pub mod fnv;
+pub mod h2;
 pub mod http;
 pub mod mock;
 pub mod paths;

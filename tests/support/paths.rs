@@ -22,6 +22,16 @@ pub fn wasm_path() -> PathBuf {
     )
 }
 
+/// The test-only filter build with the `fault-injection` feature (`make wasm-fault`): a request
+/// carrying `x-dp-affinity-test-panic` panics its VM.
+pub fn fault_wasm_path() -> PathBuf {
+    artifact(
+        "DP_AFFINITY_FAULT_WASM",
+        "target/fault/wasm32-wasip1/release/dp_affinity.wasm",
+        "fault-injection filter wasm",
+    )
+}
+
 /// The mock DP-rank server.
 pub fn mock_bin() -> PathBuf {
     artifact(

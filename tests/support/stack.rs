@@ -31,6 +31,8 @@ pub struct StackOptions {
     pub with_filter: bool,
     pub allow_on_headers_stop_iteration: bool,
     pub fallback_retries: bool,
+    /// Another filter build than the shipped one (`None`: `paths::wasm_path()`).
+    pub wasm: Option<std::path::PathBuf>,
     /// Extra arguments for one rank only (after `mock_args`), e.g. a slow rank.
     pub rank_args: BTreeMap<u32, Vec<String>>,
     /// One engine-mode mock with `dp_size` internal ranks behind a single cluster
@@ -50,6 +52,7 @@ impl StackOptions {
             with_filter: true,
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
+            wasm: None,
             rank_args: BTreeMap::new(),
             engine: false,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
@@ -89,6 +92,12 @@ impl StackOptions {
 
     pub fn without_filter(mut self) -> StackOptions {
         self.with_filter = false;
+        self
+    }
+
+    /// Loads another build of the filter (e.g. `paths::fault_wasm_path()`).
+    pub fn wasm(mut self, path: std::path::PathBuf) -> StackOptions {
+        self.wasm = Some(path);
         self
     }
 
@@ -138,7 +147,9 @@ impl Stack {
         };
         let mut config = EnvoyConfig::new(
             mocks.iter().map(MockRank::port).collect(),
-            options.with_filter.then(paths::wasm_path),
+            options
+                .with_filter
+                .then(|| options.wasm.clone().unwrap_or_else(paths::wasm_path)),
             options.plugin_config.clone(),
         );
         config.allow_on_headers_stop_iteration = options.allow_on_headers_stop_iteration;
