@@ -60,6 +60,9 @@ pub struct EnvoyConfig {
     /// The HTTP connection manager's `max_request_headers_kb`; `None` keeps
     /// Envoy's default (60 KiB), past which it answers 431.
     pub max_request_headers_kb: Option<u32>,
+    /// Serve the listener through file-based LDS (`dynamic_resources.lds_config` on a path)
+    /// instead of `static_resources`, so a test can replace it while Envoy runs.
+    pub lds: bool,
 }
 
 /// The listener buffer limit of the shipped configs: lets Envoy buffer the
@@ -78,6 +81,7 @@ impl EnvoyConfig {
             topology: Topology::PerRankClusters,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
+            lds: false,
         }
     }
 }
@@ -85,14 +89,42 @@ impl EnvoyConfig {
 /// The Envoy bootstrap for `config` as YAML. JSON is a subset of YAML, and building
 /// it with `json!` keeps quoting of the embedded plugin JSON correct by construction.
 pub fn render_config(listen_port: u16, admin_port: u16, config: &EnvoyConfig) -> String {
-    let bootstrap = json!({
+    render_bootstrap(listen_port, admin_port, config, None)
+}
+
+/// The bootstrap; with `lds_path`, the listener comes from that file (see [`render_lds`]).
+fn render_bootstrap(
+    listen_port: u16,
+    admin_port: u16,
+    config: &EnvoyConfig,
+    lds_path: Option<&Path>,
+) -> String {
+    let mut bootstrap = json!({
         "admin": { "address": socket_address(admin_port) },
         "static_resources": {
             "listeners": [listener(listen_port, config)],
             "clusters": clusters(config),
         }
     });
+    if let Some(path) = lds_path {
+        bootstrap["static_resources"]["listeners"] = json!([]);
+        // Dynamic resources require a node identity.
+        bootstrap["node"] = json!({ "id": "dp-affinity-test", "cluster": "dp-affinity-test" });
+        bootstrap["dynamic_resources"] = json!({
+            "lds_config": {
+                "path_config_source": { "path": path.display().to_string() },
+                "resource_api_version": "V3"
+            }
+        });
+    }
     serde_json::to_string_pretty(&bootstrap).expect("serialize bootstrap")
+}
+
+/// The file-based LDS document holding the one listener of `config`.
+pub fn render_lds(listen_port: u16, config: &EnvoyConfig) -> String {
+    let mut listener = listener(listen_port, config);
+    listener["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+    serde_json::to_string_pretty(&json!({ "resources": [listener] })).expect("serialize lds")
 }
 
 fn socket_address(port: u16) -> Value {
@@ -294,12 +326,31 @@ pub struct Envoy {
     base_id: u32,
     listen_port: u16,
     admin_port: u16,
+    /// The LDS file when the listener is served by file-based LDS.
+    lds_path: Option<PathBuf>,
     log_path: PathBuf,
     stderr_path: PathBuf,
     access_log: Option<PathBuf>,
 }
 
+/// Replaces `path` in one rename, as an operator's deploy would: Envoy's file watcher sees the
+/// move and never reads a half-written file.
+fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+    std::fs::rename(&tmp, path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
+}
+
 impl Envoy {
+    /// Pushes a new listener (same port) through the LDS file; Envoy applies it if valid.
+    pub fn update_listener(&self, config: &EnvoyConfig) {
+        let path = self
+            .lds_path
+            .as_ref()
+            .expect("update_listener needs an Envoy started with `lds: true`");
+        write_atomically(path, &render_lds(self.listen_port, config));
+    }
+
     /// Starts Envoy with `config` in `dir` and waits until it serves.
     pub fn start(config: &EnvoyConfig, dir: &Path) -> Envoy {
         let mut attempt = 1;
@@ -318,7 +369,12 @@ impl Envoy {
     fn try_start(config: &EnvoyConfig, dir: &Path, attempt: u32) -> Result<Envoy, StartError> {
         let (listen_port, admin_port) = (free_port(), free_port());
         let config_path = dir.join(format!("envoy-{attempt}.yaml"));
-        std::fs::write(&config_path, render_config(listen_port, admin_port, config))
+        let lds_path = config.lds.then(|| dir.join(format!("lds-{attempt}.json")));
+        if let Some(path) = &lds_path {
+            write_atomically(path, &render_lds(listen_port, config));
+        }
+        let bootstrap = render_bootstrap(listen_port, admin_port, config, lds_path.as_deref());
+        std::fs::write(&config_path, bootstrap)
             .unwrap_or_else(|e| panic!("write {}: {e}", config_path.display()));
         let log_path = dir.join(format!("envoy-{attempt}.log"));
         let stderr_path = dir.join(format!("envoy-{attempt}.stderr"));
@@ -347,6 +403,7 @@ impl Envoy {
             base_id,
             listen_port,
             admin_port,
+            lds_path,
             log_path,
             stderr_path,
             access_log: config.access_log.clone(),
