@@ -9,6 +9,7 @@
 #   make unit      native unit tests (no Envoy needed)
 #   make e2e       end-to-end tests through a real Envoy
 #   make bench     scripts/bench.sh
+#   make fuzz      scripts/fuzz.sh: every cargo-fuzz target for FUZZ_SECONDS (default 60); FUZZ_TARGETS picks some
 #   make clean     cargo clean; `make distclean` also drops .tools/
 
 SHELL := bash
@@ -42,7 +43,10 @@ export DP_AFFINITY_FAULT_WASM ?= $(FAULT_TARGET_DIR)/$(WASM_TARGET)/release/dp_a
 # Set E2E_PROFILE=--release to build them optimised.
 E2E_PROFILE ?=
 
-.PHONY: all tools build wasm wasm-fault mock run test lint fmt validate unit e2e bench clean distclean
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?=
+
+.PHONY: all tools build wasm wasm-fault mock run test lint fmt validate unit e2e bench fuzz clean distclean
 
 all: build
 
@@ -117,8 +121,13 @@ bench:
 	  echo "make bench: scripts/bench.sh does not exist (no benchmark in this tree)" >&2; exit 1; \
 	fi
 
+# Long-running, not part of `make test`: installs nightly and cargo-fuzz if missing.
+fuzz:
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh $(FUZZ_TARGETS)
+
 clean:
 	$(CARGO) clean
+	rm -rf fuzz/target
 	rm -rf results
 
 distclean: clean

@@ -381,10 +381,16 @@ fn fields(
         return Err(err(here, format!("expected an object, got {}", type_of(v))));
     };
     for (name, value) in obj {
-        let full = if path.is_empty() {
-            name.clone()
+        // An empty member name still needs something to point at in the error.
+        let shown = if name.is_empty() {
+            "\"\""
         } else {
-            format!("{path}.{name}")
+            name.as_str()
+        };
+        let full = if path.is_empty() {
+            shown.to_string()
+        } else {
+            format!("{path}.{shown}")
         };
         if !allowed.contains(&name.as_str()) {
             return Err(err(

@@ -246,13 +246,17 @@ pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, Scan
         if idx < n_rank {
             rank = merge_rank(cfg, rank.take(), &wanted, idx, &value);
         } else if idx < n_rank + n_key {
-            if let Value::Str(s) = value {
-                if !s.is_empty() {
-                    keys[idx - n_rank] = Some(s);
-                }
-            }
-        } else if let Value::Number(raw) = value {
-            room = parse_u64(raw); // not an integer >= 0: no room
+            // Every occurrence replaces the previous one (last duplicate wins, as in serde and
+            // Python); only a non-empty string is a key.
+            keys[idx - n_rank] = match value {
+                Value::Str(s) if !s.is_empty() => Some(s),
+                _ => None,
+            };
+        } else {
+            room = match value {
+                Value::Number(raw) => parse_u64(raw), // not an integer >= 0: no room
+                _ => None,
+            };
         }
     })?;
     Ok(BodyFacts {
@@ -435,6 +439,8 @@ mod tests {
         assert_eq!(b.key.as_deref(), Some(&b"u"[..]));
         let b = body(&c, r#"{"routing_key":"a","routing_key":"b"}"#);
         assert_eq!(b.key.as_deref(), Some(&b"b"[..]), "last duplicate wins");
+        let b = body(&c, r#"{"routing_key":"a","routing_key":""}"#);
+        assert_eq!(b.key, None, "even when the last one is no key");
         let b = body(&c, r#"{"routing_key":5,"user":{"id":"x"}}"#);
         assert_eq!(b.key, None, "non-string keys are ignored");
     }

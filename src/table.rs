@@ -257,7 +257,8 @@ impl AffinityTable {
             removed = entries.len() != before;
             removed
         });
-        (removed, events)
+        // A write abandoned after lost races removed nothing.
+        (removed && events.cas_exhausted == 0, events)
     }
 
     /// Read-modify-write of the bucket of `hash` with bounded compare-and-swap retries.
