@@ -8,15 +8,9 @@ use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body, HeaderFacts, RankError};
 use crate::table::{AffinityTable, Lookup, Store};
 
-/// Why a request went where it went. Each maps to one counter.
+/// Why a request was left to the fallback. Each maps to one counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
-    /// The client named a valid rank.
-    Explicit,
-    /// The routing key was pinned to a usable rank.
-    AffinityHit,
-    /// The routing key was not pinned: Envoy balances, the filter learns.
-    AffinityMiss,
     /// No routing key anywhere.
     NoKey,
     /// The body was larger than `body.max_bytes`, so body fields were not read.

@@ -3,6 +3,7 @@
 
 mod abi;
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::rc::Rc;
 
@@ -548,12 +549,13 @@ impl Filter {
 
     fn route_to(&self, rank: u32, from_body: bool) {
         let cfg = &self.rt.cfg;
+        // The cluster name is precomputed per rank: no allocation on the cluster path.
         let (header, value) = match &cfg.target {
             TargetMode::Cluster => match cfg.cluster_names.get(rank as usize) {
-                Some(cluster) => (cfg.cluster_header.as_str(), cluster.clone()),
+                Some(cluster) => (cfg.cluster_header.as_str(), Cow::Borrowed(cluster.as_str())),
                 None => return,
             },
-            TargetMode::EngineHeader(header) => (header.as_str(), rank.to_string()),
+            TargetMode::EngineHeader(header) => (header.as_str(), Cow::Owned(rank.to_string())),
         };
         if let Err(e) = abi::set_header(REQUEST_HEADERS, header, &value) {
             warn!("[{}] cannot set {header}: status {}", self.id, e.0);
@@ -635,9 +637,6 @@ fn fallback_counter(reason: Reason) -> Counter {
     match reason {
         Reason::BodyTooLarge => Counter::BodyTooLarge,
         Reason::BodyMalformed => Counter::BodyMalformed,
-        Reason::Explicit => Counter::Explicit,
-        Reason::AffinityHit => Counter::AffinityHit,
-        Reason::AffinityMiss => Counter::AffinityMiss,
         Reason::NoKey => Counter::NoKey,
     }
 }
