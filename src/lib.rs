@@ -12,6 +12,7 @@ pub mod extract;
 pub mod hash;
 pub mod json_scan;
 pub mod metrics;
+pub mod prefix;
 pub mod ranks;
 pub mod table;
 

@@ -1,0 +1,1 @@
+//! Prompt-prefix blocks and the prefix index (work in progress).
