@@ -6,25 +6,37 @@
 //! LLM answers add `inflight` / `max_inflight`, and GET /mock/stats reports the
 //! per-rank counters (see `stats`). In engine mode (`--engine`) LLM requests
 //! are first dispatched to an internal rank (see `engine`).
+//!
+//! An LLM request is served like an engine would: it waits for one of the
+//! rank's `--max-concurrency` slots, looks its prompt up in the rank's prefix
+//! cache (see `rank`), and takes the modelled prefill and decode time (see
+//! `service`). Answers report the prompt and cached token counts in `usage` /
+//! `meta_info`, in `mock` and in `x-mock-*` headers.
 
 use std::io::{self, Write};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use mock_rank::fnv::fnv1a64_hex;
+use mock_rank::prompt::prompt_blocks;
 use serde_json::{json, Map, Value};
 
 use crate::cli::{Config, Mode};
 use crate::engine::{self, RoundRobin};
-use crate::fnv::fnv1a64_hex;
 use crate::http::{self, BodyStream, Head, Request, ResponseMeta};
-use crate::stats::RankStats;
+use crate::rank::RankState;
+use crate::service::{event_ranges, ServiceModel};
 
 const DEFAULT_MODEL: &str = "mock-model";
 /// Tokens (= SSE events) produced when the request does not ask for a count.
 const DEFAULT_TOKENS: u64 = 5;
 /// Upper bound so a request cannot keep a connection streaming for long.
 const MAX_TOKENS: u64 = 50;
+/// Upper bound while decode time is modelled: long enough for realistic
+/// generations, whose time the model (not the count) then bounds.
+const MAX_MODELED_TOKENS: u64 = 4096;
 
 /// Makes ids unique within one process so tests can tell answers apart.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -57,14 +69,16 @@ fn route(method: &str, path: &str) -> Route {
         "/v1/completions" if post => Route::Llm(Api::Completion),
         "/generate" if post => Route::Llm(Api::Generate),
         "/mock/stats" if read => Route::Stats,
-        "/mock/reset-stats" if post => Route::ResetStats,
+        // `/mock/reset` is an alias: it also empties the prefix caches.
+        "/mock/reset-stats" | "/mock/reset" if post => Route::ResetStats,
         "/health"
         | "/v1/models"
         | "/v1/chat/completions"
         | "/v1/completions"
         | "/generate"
         | "/mock/stats"
-        | "/mock/reset-stats" => Route::MethodNotAllowed,
+        | "/mock/reset-stats"
+        | "/mock/reset" => Route::MethodNotAllowed,
         _ => Route::NotFound,
     }
 }
@@ -73,15 +87,19 @@ fn route(method: &str, path: &str) -> Route {
 #[derive(Debug)]
 pub struct Server {
     cfg: Config,
+    service: ServiceModel,
     /// One entry per rank served: `[--rank]`, or internal ranks 0..dp_size.
-    ranks: Vec<RankStats>,
+    ranks: Vec<RankState>,
     round_robin: RoundRobin,
 }
 
 impl Server {
     pub fn new(cfg: Config) -> Self {
-        let ranks = (0..cfg.dp_size()).map(|_| RankStats::default()).collect();
+        let ranks = (0..cfg.dp_size())
+            .map(|_| RankState::new(cfg.cache_blocks, cfg.max_concurrency))
+            .collect();
         Server {
+            service: ServiceModel::from_config(&cfg),
             cfg,
             ranks,
             round_robin: RoundRobin::default(),
@@ -97,16 +115,16 @@ impl Server {
         }
     }
 
-    /// `(rank as reported, counters)` of every rank served.
-    fn ranks(&self) -> impl Iterator<Item = (u32, &RankStats)> {
+    /// `(rank as reported, state)` of every rank served.
+    fn ranks(&self) -> impl Iterator<Item = (u32, &RankState)> {
         let fixed = self.fixed_rank();
         (0u32..)
             .zip(&self.ranks)
-            .map(move |(i, stats)| (fixed.unwrap_or(i), stats))
+            .map(move |(i, state)| (fixed.unwrap_or(i), state))
     }
 
-    /// Counters of `rank`, which `dispatch` returned.
-    fn stats_of(&self, rank: u32) -> &RankStats {
+    /// State of `rank`, which `dispatch` returned.
+    fn rank_state(&self, rank: u32) -> &RankState {
         let index = match self.cfg.mode {
             Mode::Rank(_) => 0,
             Mode::Engine { .. } => rank as usize,
@@ -128,13 +146,20 @@ impl Server {
     fn stats_json(&self) -> Value {
         let per_rank: Vec<Value> = self
             .ranks()
-            .map(|(rank, stats)| {
-                let s = stats.snapshot();
+            .map(|(rank, state)| {
+                let s = state.stats.snapshot();
+                let cache = state.cache_snapshot();
                 json!({
                     "rank": rank,
                     "requests": s.requests,
                     "inflight": s.inflight,
                     "max_inflight": s.max_inflight,
+                    "prompt_tokens": s.prompt_tokens,
+                    "cached_tokens": s.cached_tokens,
+                    "cache_blocks": cache.blocks,
+                    "cache_capacity": cache.capacity,
+                    "cache_evictions": cache.evictions,
+                    "max_queue_us": s.max_queue_us,
                 })
             })
             .collect();
@@ -146,12 +171,22 @@ impl Server {
         })
     }
 
-    /// Zeroes the counters and restarts the engine's round robin at rank 0.
+    /// Zeroes the counters, empties the prefix caches and restarts the
+    /// engine's round robin at rank 0.
     fn reset_stats(&self) {
-        for stats in &self.ranks {
-            stats.reset();
+        for state in &self.ranks {
+            state.reset();
         }
         self.round_robin.reset();
+    }
+
+    /// Most output tokens a request can ask for.
+    fn token_cap(&self) -> u64 {
+        if self.service.decodes() {
+            MAX_MODELED_TOKENS
+        } else {
+            MAX_TOKENS
+        }
     }
 }
 
@@ -248,6 +283,26 @@ fn models(srv: &Server, req: &Request) -> Value {
     with_mock(list, srv, req)
 }
 
+/// What the simulated engine did with a request before answering.
+#[derive(Debug, Clone, Copy)]
+struct Served {
+    prompt_tokens: u64,
+    /// Prompt tokens found in the rank's prefix cache.
+    cached_tokens: u64,
+    /// Time spent waiting for a `--max-concurrency` slot.
+    queue_us: u64,
+}
+
+impl Served {
+    fn headers(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("x-mock-prompt-tokens", self.prompt_tokens.to_string()),
+            ("x-mock-cached-tokens", self.cached_tokens.to_string()),
+            ("x-mock-queue-us", self.queue_us.to_string()),
+        ]
+    }
+}
+
 /// Everything needed to render one LLM answer, streamed or not.
 struct Answer {
     api: Api,
@@ -255,18 +310,15 @@ struct Answer {
     id: String,
     created: u64,
     model: String,
-    prompt_tokens: u64,
+    served: Served,
     tokens: u64,
     stream: bool,
     mock: Value,
 }
 
 impl Answer {
-    fn new(api: Api, rank: u32, req: &Request, mock: Value) -> Self {
-        // A body that is not JSON still gets an answer: the mock must accept
-        // whatever a real proxy passes through.
-        let body: Option<Value> = serde_json::from_slice(&req.body).ok();
-        let body = body.as_ref();
+    /// `body` is `Null` when the request body is not JSON.
+    fn new(api: Api, rank: u32, body: &Value, served: Served, token_cap: u64, mock: Value) -> Self {
         let prefix = match api {
             Api::Chat => "chatcmpl",
             Api::Completion => "cmpl",
@@ -281,9 +333,9 @@ impl Answer {
             ),
             created: unix_now(),
             model: requested_model(body),
-            prompt_tokens: req.body.len() as u64 / 4,
-            tokens: requested_tokens(body),
-            stream: body.and_then(|b| b.get("stream")) == Some(&Value::Bool(true)),
+            served,
+            tokens: requested_tokens(body, token_cap),
+            stream: body.get("stream") == Some(&Value::Bool(true)),
             mock,
         }
     }
@@ -294,26 +346,31 @@ impl Answer {
         format!("rank {} token {}. ", self.rank, i)
     }
 
+    /// Text of the tokens in `range`, as one SSE event carries them.
+    fn pieces(&self, range: Range<u64>) -> String {
+        range.map(|i| self.piece(i)).collect()
+    }
+
     fn text_upto(&self, n: u64) -> String {
-        let text: String = (0..n).map(|i| self.piece(i)).collect();
-        text.trim_end().to_string()
+        self.pieces(0..n).trim_end().to_string()
     }
 
     fn usage(&self) -> Value {
+        let prompt_tokens = self.served.prompt_tokens;
         json!({
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": self.tokens,
-            "total_tokens": self.prompt_tokens + self.tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "total_tokens": prompt_tokens + self.tokens,
+            "prompt_tokens_details": {"cached_tokens": self.served.cached_tokens},
         })
     }
 
     fn generate_meta(&self, completion_tokens: u64, done: bool) -> Value {
         json!({
             "id": self.id,
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": self.served.prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.served.cached_tokens,
             "finish_reason": if done { json!({"type": "stop"}) } else { Value::Null },
         })
     }
@@ -356,14 +413,16 @@ impl Answer {
         }
     }
 
-    /// SSE event `i` of a streamed answer.
-    fn chunk(&self, i: u64) -> Value {
-        let last = i + 1 >= self.tokens;
+    /// The SSE event carrying the tokens in `range` of a streamed answer.
+    /// The last OpenAI event also carries `usage`, as with
+    /// `stream_options.include_usage` but without an extra event.
+    fn chunk(&self, range: Range<u64>) -> Value {
+        let last = range.end >= self.tokens;
         let finish = if last { json!("stop") } else { Value::Null };
-        match self.api {
+        let mut event = match self.api {
             Api::Chat => {
-                let mut delta = json!({"content": self.piece(i)});
-                if i == 0 {
+                let mut delta = json!({"content": self.pieces(range.clone())});
+                if range.start == 0 {
                     delta["role"] = json!("assistant");
                 }
                 json!({
@@ -381,18 +440,29 @@ impl Answer {
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": self.piece(i), "finish_reason": finish}],
+                "choices": [{
+                    "index": 0,
+                    "text": self.pieces(range.clone()),
+                    "finish_reason": finish,
+                }],
                 "rank": self.rank,
                 "mock": self.mock,
             }),
-            // SGLang streams the cumulative text in every event.
-            Api::Generate => json!({
-                "text": self.text_upto(i + 1),
-                "meta_info": self.generate_meta(i + 1, last),
-                "rank": self.rank,
-                "mock": self.mock,
-            }),
+            // SGLang streams the cumulative text in every event; its
+            // meta_info already carries the token counts.
+            Api::Generate => {
+                return json!({
+                    "text": self.text_upto(range.end),
+                    "meta_info": self.generate_meta(range.end, last),
+                    "rank": self.rank,
+                    "mock": self.mock,
+                })
+            }
+        };
+        if last {
+            event["usage"] = self.usage();
         }
+        event
     }
 }
 
@@ -403,28 +473,26 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn requested_model(body: Option<&Value>) -> String {
-    body.and_then(|b| b.get("model"))
+fn requested_model(body: &Value) -> String {
+    body.get("model")
         .and_then(Value::as_str)
         .unwrap_or(DEFAULT_MODEL)
         .to_string()
 }
 
-/// Token / event count: OpenAI `max_tokens` or `max_completion_tokens`, SGLang
-/// `sampling_params.max_new_tokens`, clamped to 1..=MAX_TOKENS.
-fn requested_tokens(body: Option<&Value>) -> u64 {
-    let Some(body) = body else {
-        return DEFAULT_TOKENS;
-    };
+/// Output token count: OpenAI `max_tokens` or `max_completion_tokens`, SGLang
+/// `sampling_params.max_new_tokens`, clamped to 1..=cap.
+fn requested_tokens(body: &Value, cap: u64) -> u64 {
     body.get("max_tokens")
         .or_else(|| body.get("max_completion_tokens"))
         .or_else(|| body.pointer("/sampling_params/max_new_tokens"))
         .and_then(Value::as_u64)
-        .map_or(DEFAULT_TOKENS, |n| n.clamp(1, MAX_TOKENS))
+        .map_or(DEFAULT_TOKENS, |n| n.clamp(1, cap))
 }
 
 /// Answers an LLM request on `rank`, counted in flight on that rank until
-/// the answer is fully written (flushed) or writing it failed.
+/// the answer is fully written (flushed) or writing it failed. Queued requests
+/// count as in flight: to the proxy they are outstanding all the same.
 fn serve_llm<W: Write>(
     w: &mut W,
     srv: &Server,
@@ -432,45 +500,75 @@ fn serve_llm<W: Write>(
     req: &Request,
     api: Api,
 ) -> io::Result<bool> {
-    let inflight = srv.stats_of(rank).enter();
+    let state = srv.rank_state(rank);
+    let inflight = state.stats.enter();
+    // A body that is not JSON still gets an answer: the mock must accept
+    // whatever a real proxy passes through.
+    let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+    let prompt = prompt_blocks(req.head.path(), &body, srv.cfg.block_tokens);
+    // Held until the answer is written or writing failed (dropped on return).
+    let slot = state.slots.acquire();
+    let served = Served {
+        prompt_tokens: prompt.prompt_tokens,
+        cached_tokens: state.cached_tokens(&prompt, srv.cfg.block_tokens),
+        queue_us: u64::try_from(slot.waited.as_micros()).unwrap_or(u64::MAX),
+    };
+    state
+        .stats
+        .record_service(served.prompt_tokens, served.cached_tokens, served.queue_us);
     let mut mock = mock_info(srv, Some(rank), req);
     mock["inflight"] = json!(inflight.inflight);
     mock["max_inflight"] = json!(inflight.max_inflight);
-    let meta = ResponseMeta::for_request(Some(rank), &req.head);
-    let answer = Answer::new(api, rank, req, mock);
-    // Simulated time-to-first-byte: before the status line, so it also
+    mock["prompt_tokens"] = json!(served.prompt_tokens);
+    mock["cached_tokens"] = json!(served.cached_tokens);
+    mock["queue_us"] = json!(served.queue_us);
+    let mut meta = ResponseMeta::for_request(Some(rank), &req.head);
+    meta.extra_headers = served.headers();
+    let answer = Answer::new(api, rank, &body, served, srv.token_cap(), mock);
+    // Simulated time to first token: before the status line, so it also
     // delays the response headers the filter learns the rank from.
-    sleep_ms(srv.cfg.delay_for(rank));
-    let result = if answer.stream {
-        stream(w, &srv.cfg, &meta, &answer)
+    let uncached = served.prompt_tokens.saturating_sub(served.cached_tokens);
+    let ttft = Duration::from_millis(srv.cfg.delay_for(rank)) + srv.service.prefill(uncached);
+    if answer.stream {
+        pause(ttft);
+        stream(w, srv, &meta, &answer)
     } else {
+        pause(ttft + srv.service.decode(answer.tokens));
         write_json(w, &meta, 200, &answer.full())
-    };
-    drop(inflight);
-    result
+    }
 }
 
+/// Sends the answer's events: the first at once (the prefill is over), the
+/// rest paced by the decode time when it is modelled, else by
+/// `--stream-interval-ms`.
 fn stream<W: Write>(
     w: &mut W,
-    cfg: &Config,
+    srv: &Server,
     meta: &ResponseMeta,
     answer: &Answer,
 ) -> io::Result<bool> {
     let mut body = BodyStream::start(w, meta, "text/event-stream")?;
-    for i in 0..answer.tokens {
-        if i > 0 {
-            sleep_ms(cfg.stream_interval_ms);
+    let first_token = Instant::now();
+    for range in event_ranges(answer.tokens, srv.service.tokens_per_event()) {
+        if range.start > 0 {
+            if srv.service.decodes() {
+                // Paced from the first token so sleep overshoot never adds up.
+                let due = first_token + srv.service.decode(range.end - 1);
+                pause(due.saturating_duration_since(Instant::now()));
+            } else {
+                pause(Duration::from_millis(srv.cfg.stream_interval_ms));
+            }
         }
-        let event = format!("data: {}\n\n", answer.chunk(i));
+        let event = format!("data: {}\n\n", answer.chunk(range));
         body.send(event.as_bytes())?;
     }
     body.send(b"data: [DONE]\n\n")?;
     body.finish()
 }
 
-fn sleep_ms(ms: u64) {
-    if ms > 0 {
-        thread::sleep(Duration::from_millis(ms));
+fn pause(duration: Duration) {
+    if !duration.is_zero() {
+        thread::sleep(duration);
     }
 }
 
@@ -481,9 +579,40 @@ mod tests {
     use std::io::Cursor;
 
     fn server(mode: Mode) -> Server {
+        server_with(mode, |_| {})
+    }
+
+    /// A server for `mode` with `set` applied to the default config.
+    fn server_with(mode: Mode, set: impl FnOnce(&mut Config)) -> Server {
         let mut cfg = Config::new(mode);
         cfg.stream_interval_ms = 0;
+        set(&mut cfg);
         Server::new(cfg)
+    }
+
+    fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+        head.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(": "))
+    }
+
+    fn header_u64(head: &str, name: &str) -> u64 {
+        header(head, name)
+            .unwrap_or_else(|| panic!("no {name} in {head}"))
+            .parse()
+            .expect("numeric header")
+    }
+
+    /// The JSON of every `data: {...}` event of a streamed body.
+    fn events(body: &str) -> Vec<Value> {
+        body.split("data: ")
+            .filter(|e| e.starts_with('{'))
+            .map(|e| json_of(e.split("\n\n").next().expect("event")))
+            .collect()
+    }
+
+    /// A chat body whose canonical prompt is `user\n{text}\n`.
+    fn chat_body(text: &str) -> String {
+        json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string()
     }
 
     fn request(text: &str) -> Request {
@@ -547,13 +676,18 @@ mod tests {
 
     #[test]
     fn token_count() {
-        let count = |s: &str| requested_tokens(serde_json::from_str::<Value>(s).ok().as_ref());
+        let count = |s: &str| {
+            let body = serde_json::from_str(s).unwrap_or(Value::Null);
+            requested_tokens(&body, MAX_TOKENS)
+        };
         assert_eq!(count("not json"), 5);
         assert_eq!(count(r#"{"max_tokens": 3}"#), 3);
         assert_eq!(count(r#"{"max_tokens": 0}"#), 1);
         assert_eq!(count(r#"{"max_tokens": 4096}"#), 50);
         assert_eq!(count(r#"{"max_tokens": "7"}"#), 5);
         assert_eq!(count(r#"{"sampling_params": {"max_new_tokens": 2}}"#), 2);
+        let body = json!({"max_completion_tokens": 5000});
+        assert_eq!(requested_tokens(&body, MAX_MODELED_TOKENS), 4096);
     }
 
     #[test]
@@ -582,8 +716,8 @@ mod tests {
     fn inflight_reported_and_released() {
         let srv = server(Mode::Rank(3));
         // Two requests already running on this rank.
-        let _a = srv.stats_of(3).enter();
-        let b = srv.stats_of(3).enter();
+        let _a = srv.rank_state(3).stats.enter();
+        let b = srv.rank_state(3).stats.enter();
         let (_, body) = run_on(&srv, &post("/generate", "{}"));
         let v = json_of(&body);
         assert_eq!(v["mock"]["inflight"], 3);
@@ -593,7 +727,7 @@ mod tests {
         let v = json_of(&body);
         assert_eq!(v["mock"]["inflight"], 2);
         assert_eq!(v["mock"]["max_inflight"], 3);
-        let s = srv.stats_of(3).snapshot();
+        let s = srv.rank_state(3).stats.snapshot();
         assert_eq!((s.requests, s.inflight, s.max_inflight), (4, 1, 3));
     }
 
@@ -608,13 +742,18 @@ mod tests {
                 Err(io::ErrorKind::BrokenPipe.into())
             }
         }
-        let srv = server(Mode::Engine { dp_size: 2 });
+        // One slot per rank: a leaked slot would hang the last request.
+        let srv = server_with(Mode::Engine { dp_size: 2 }, |c| c.max_concurrency = 1);
         for body in ["{}", r#"{"stream":true}"#] {
             let req = post("/v1/completions", body);
             assert!(respond(&mut Broken, &srv, &req).is_err());
         }
-        let snaps: Vec<_> = srv.ranks().map(|(_, s)| s.snapshot()).collect();
+        let snaps: Vec<_> = srv.ranks().map(|(_, s)| s.stats.snapshot()).collect();
         assert!(snaps.iter().all(|s| s.requests == 1 && s.inflight == 0));
+        for _ in 0..2 {
+            let (head, _) = run_on(&srv, &post("/v1/completions", "{}"));
+            assert_eq!(header_u64(&head, "x-mock-queue-us"), 0, "{head}");
+        }
     }
 
     #[test]
@@ -672,7 +811,7 @@ mod tests {
             "POST /generate HTTP/1.1\r\nx-data-parallel-rank: 1\r\nx-data-parallel-rank: 1\r\n\r\n",
         );
         assert!(run_on(&srv, &repeated).0.starts_with("HTTP/1.1 400"));
-        assert!(srv.ranks().all(|(_, s)| s.snapshot().requests == 0));
+        assert!(srv.ranks().all(|(_, s)| s.stats.snapshot().requests == 0));
         // Outside the LLM endpoints the header is not looked at.
         let (head, _) = run_on(
             &srv,
@@ -703,7 +842,9 @@ mod tests {
         assert_eq!(
             json_of(&body),
             json!({"rank": 7, "engine": false, "dp_size": 1, "per_rank": [
-                {"rank": 7, "requests": 3, "inflight": 0, "max_inflight": 1},
+                {"rank": 7, "requests": 3, "inflight": 0, "max_inflight": 1,
+                 "prompt_tokens": 0, "cached_tokens": 0, "cache_blocks": 0,
+                 "cache_capacity": 0, "cache_evictions": 0, "max_queue_us": 0},
             ]})
         );
         let (head, body) = run_on(&srv, &request("POST /mock/reset-stats HTTP/1.1\r\n\r\n"));
@@ -712,8 +853,216 @@ mod tests {
         let (_, body) = run_on(&srv, &request("GET /mock/stats HTTP/1.1\r\n\r\n"));
         assert_eq!(
             json_of(&body)["per_rank"][0],
-            json!({"rank": 7, "requests": 0, "inflight": 0, "max_inflight": 0})
+            json!({"rank": 7, "requests": 0, "inflight": 0, "max_inflight": 0,
+                   "prompt_tokens": 0, "cached_tokens": 0, "cache_blocks": 0,
+                   "cache_capacity": 0, "cache_evictions": 0, "max_queue_us": 0})
         );
+    }
+
+    #[test]
+    fn repeated_prompt_hits_the_cache() {
+        let srv = server_with(Mode::Rank(0), |c| c.block_tokens = 2);
+        // "user\n" + 29 bytes + "\n" = 35 bytes: 9 tokens, four full blocks of 8 bytes.
+        let body = chat_body("the quick brown fox jumps ove");
+        let (head, first) = run_on(&srv, &post("/v1/chat/completions", &body));
+        assert_eq!(header_u64(&head, "x-mock-prompt-tokens"), 9);
+        assert_eq!(header_u64(&head, "x-mock-cached-tokens"), 0);
+        assert_eq!(header_u64(&head, "x-mock-queue-us"), 0);
+        assert!(head.contains("x-dp-rank: 0"));
+        let first = json_of(&first);
+        assert_eq!(first["usage"]["prompt_tokens"], 9);
+        assert_eq!(first["usage"]["completion_tokens"], 5);
+        assert_eq!(first["usage"]["total_tokens"], 14);
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(first["mock"]["prompt_tokens"], 9);
+        assert_eq!(first["mock"]["cached_tokens"], 0);
+        let (head, second) = run_on(&srv, &post("/v1/chat/completions", &body));
+        assert_eq!(header_u64(&head, "x-mock-cached-tokens"), 8);
+        let second = json_of(&second);
+        assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+        assert_eq!(second["mock"]["cached_tokens"], 8);
+        let stats = srv.stats_json()["per_rank"][0].clone();
+        assert_eq!(stats["prompt_tokens"], 18);
+        assert_eq!(stats["cached_tokens"], 8);
+        assert_eq!(stats["cache_blocks"], 4);
+        // The reset empties the cache too (and /mock/reset is the same).
+        run_on(&srv, &request("POST /mock/reset HTTP/1.1\r\n\r\n"));
+        assert_eq!(srv.stats_json()["per_rank"][0]["cache_blocks"], 0);
+        let (head, _) = run_on(&srv, &post("/v1/chat/completions", &body));
+        assert_eq!(header_u64(&head, "x-mock-cached-tokens"), 0);
+    }
+
+    #[test]
+    fn generate_reports_meta_info_tokens() {
+        let srv = server_with(Mode::Rank(0), |c| c.block_tokens = 1);
+        let body = r#"{"input_ids":[1,2,3],"sampling_params":{"max_new_tokens":2}}"#;
+        run_on(&srv, &post("/generate", body));
+        let (head, answer) = run_on(&srv, &post("/generate", body));
+        assert_eq!(header_u64(&head, "x-mock-cached-tokens"), 3);
+        let v = json_of(&answer);
+        assert_eq!(v["meta_info"]["prompt_tokens"], 3);
+        assert_eq!(v["meta_info"]["cached_tokens"], 3);
+        assert_eq!(v["meta_info"]["completion_tokens"], 2);
+    }
+
+    #[test]
+    fn capacity_evicts_and_shows_in_stats() {
+        let srv = server_with(Mode::Rank(0), |c| {
+            c.block_tokens = 1;
+            c.cache_blocks = 2;
+        });
+        run_on(
+            &srv,
+            &post("/v1/completions", r#"{"prompt":"aaaabbbbcccc"}"#),
+        );
+        run_on(&srv, &post("/v1/completions", r#"{"prompt":"xxxx"}"#));
+        let stats = srv.stats_json()["per_rank"][0].clone();
+        assert_eq!(stats["cache_blocks"], 2);
+        assert_eq!(stats["cache_capacity"], 2);
+        assert_eq!(stats["cache_evictions"], 1);
+        let (head, _) = run_on(
+            &srv,
+            &post("/v1/completions", r#"{"prompt":"aaaabbbbcccc"}"#),
+        );
+        assert_eq!(
+            header_u64(&head, "x-mock-cached-tokens"),
+            1,
+            "the leaf bbbb was evicted, its prefix aaaa kept; cccc never fitted"
+        );
+    }
+
+    #[test]
+    fn engine_ranks_have_their_own_caches() {
+        let srv = server(Mode::Engine { dp_size: 2 });
+        let body = json!({"prompt": "p".repeat(128)}).to_string();
+        let on = |rank: &str| {
+            let req = request(&format!(
+                "POST /v1/completions HTTP/1.1\r\nx-data-parallel-rank: {rank}\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ));
+            header_u64(&run_on(&srv, &req).0, "x-mock-cached-tokens")
+        };
+        assert_eq!(on("0"), 0);
+        assert_eq!(on("1"), 0, "rank 1 has not seen it");
+        assert_eq!(on("0"), 32);
+        assert_eq!(on("1"), 32);
+        let stats = srv.stats_json();
+        assert_eq!(stats["per_rank"][0]["cached_tokens"], 32);
+        assert_eq!(stats["per_rank"][1]["cache_blocks"], 2);
+    }
+
+    #[test]
+    fn malformed_body_has_an_empty_prompt() {
+        let (head, body) = run(&post("/v1/chat/completions", "{not json"));
+        assert!(head.starts_with("HTTP/1.1 200 OK"));
+        assert_eq!(header_u64(&head, "x-mock-prompt-tokens"), 0);
+        let v = json_of(&body);
+        assert_eq!(v["usage"]["prompt_tokens"], 0);
+        assert_eq!(v["usage"]["total_tokens"], 5);
+    }
+
+    #[test]
+    fn prefill_time_only_for_uncached_tokens() {
+        // 1 ms per uncached token; the prompt is exactly 48 tokens = 3 blocks.
+        let srv = server_with(Mode::Rank(0), |c| c.prefill_us_per_token = 1_000.0);
+        let body = json!({"prompt": "x".repeat(192)}).to_string();
+        let timed = || {
+            let started = Instant::now();
+            let (head, _) = run_on(&srv, &post("/v1/completions", &body));
+            (started.elapsed(), header_u64(&head, "x-mock-cached-tokens"))
+        };
+        let (cold, cached) = timed();
+        assert_eq!(cached, 0);
+        assert!(cold >= Duration::from_millis(48), "{cold:?}");
+        let (warm, cached) = timed();
+        assert_eq!(cached, 48);
+        assert!(
+            warm < cold,
+            "cached prompt is not prefilled: {warm:?} vs {cold:?}"
+        );
+    }
+
+    #[test]
+    fn decode_time_and_token_count() {
+        let srv = server_with(Mode::Rank(0), |c| c.decode_us_per_token = 100.0);
+        let started = Instant::now();
+        let (_, body) = run_on(&srv, &post("/v1/completions", r#"{"max_tokens":300}"#));
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        let v = json_of(&body);
+        assert_eq!(v["usage"]["completion_tokens"], 300, "above the 50 cap");
+    }
+
+    #[test]
+    fn decode_model_groups_stream_events() {
+        // 1 ms per token: 5 tokens per event after the first.
+        let srv = server_with(Mode::Rank(0), |c| c.decode_us_per_token = 1_000.0);
+        let started = Instant::now();
+        let (head, body) = run_on(
+            &srv,
+            &post("/v1/chat/completions", r#"{"stream":true,"max_tokens":12}"#),
+        );
+        assert!(started.elapsed() >= Duration::from_millis(11));
+        assert!(header(&head, "x-mock-queue-us").is_some());
+        let events = events(&body);
+        let pieces: Vec<usize> = events
+            .iter()
+            .map(|e| {
+                let text = e["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .expect("content");
+                text.matches("token").count()
+            })
+            .collect();
+        assert_eq!(pieces, [1, 5, 5, 1]);
+        assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+        assert!(body.ends_with("data: [DONE]\n\n\r\n0\r\n\r\n"));
+    }
+
+    #[test]
+    fn last_stream_event_carries_usage() {
+        let srv = server(Mode::Rank(0));
+        let body = json!({"stream": true, "max_tokens": 3, "prompt": "abcdefgh"}).to_string();
+        let (head, answer) = run_on(&srv, &post("/v1/completions", &body));
+        assert_eq!(header_u64(&head, "x-mock-prompt-tokens"), 2);
+        let events = events(&answer);
+        assert_eq!(events.len(), 3, "no extra event");
+        assert!(events[..2].iter().all(|e| e.get("usage").is_none()));
+        assert_eq!(events[2]["usage"]["prompt_tokens"], 2);
+        assert_eq!(events[2]["usage"]["completion_tokens"], 3);
+        assert_eq!(
+            events[2]["usage"]["prompt_tokens_details"]["cached_tokens"],
+            0
+        );
+        assert_eq!(events[2]["choices"][0]["finish_reason"], "stop");
+    }
+
+    #[test]
+    fn max_concurrency_queues_requests() {
+        let srv = server_with(Mode::Rank(0), |c| {
+            c.max_concurrency = 1;
+            c.decode_us_per_token = 1_000.0;
+        });
+        let queued: Vec<u64> = thread::scope(|scope| {
+            let handles: Vec<_> = (0..2)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let (head, _) =
+                            run_on(&srv, &post("/v1/completions", r#"{"max_tokens":30}"#));
+                        header_u64(&head, "x-mock-queue-us")
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("thread"))
+                .collect()
+        });
+        // One of them waited for the other's ~30 ms.
+        let waited = queued.iter().max().copied().unwrap_or(0);
+        assert!(waited >= 20_000, "{queued:?}");
+        let stats = srv.stats_json()["per_rank"][0].clone();
+        assert_eq!(stats["max_queue_us"], waited);
+        assert_eq!(stats["max_inflight"], 2, "queued requests count in flight");
     }
 
     #[test]

@@ -3,8 +3,9 @@
 
 pub const USAGE: &str = "\
 usage: mock-rank --rank N [--port P] [--host 127.0.0.1] [--delay-ms D] [--stream-interval-ms I]
+                 [ENGINE MODEL OPTIONS]
        mock-rank --engine --dp-size N [--port P] [--host 127.0.0.1] [--delay-ms D]
-                 [--delay-ms-rank R=D]... [--stream-interval-ms I]
+                 [--delay-ms-rank R=D]... [--stream-interval-ms I] [ENGINE MODEL OPTIONS]
 
 Mock data-parallel rank server for dp-affinity tests.
 
@@ -21,12 +22,34 @@ Mock data-parallel rank server for dp-affinity tests.
   --stream-interval-ms I  gap between SSE events (default 100)
   -h, --help              print this help
 
+Engine model (per rank; in --engine mode every internal rank has its own):
+  --block-tokens N        tokens per KV block of the prefix cache (default 16);
+                          a prompt is 1 token per 4 bytes of text, or its ids
+  --cache-blocks N        prefix cache capacity in blocks, LRU; 0 (default) is
+                          unlimited. Hits show in usage and /mock/stats
+  --prefill-us-per-token F  service time per uncached prompt token, in
+                          microseconds, before the first byte (default 0)
+  --decode-us-per-token F   time per output token (default 0); when > 0 it
+                          paces SSE events instead of --stream-interval-ms and
+                          max_tokens counts up to 4096 instead of 50
+  --max-concurrency N     requests served at once; later ones queue in arrival
+                          order (default 0: unlimited)
+
+LLM answers report usage.prompt_tokens / prompt_tokens_details.cached_tokens
+(SGLang: meta_info), the same in headers x-mock-prompt-tokens,
+x-mock-cached-tokens, plus x-mock-queue-us. GET /mock/stats shows per-rank
+counters; POST /mock/reset-stats (alias /mock/reset) zeroes them and empties
+the caches.
+
 Exactly one of --rank and --engine is required.
 On readiness prints one line `listening HOST:PORT` to stdout.
 ";
 
 /// Largest `--dp-size`, the same bound the filter puts on its `dp_size`.
 pub const MAX_DP_SIZE: u32 = 4096;
+/// Largest per-token time (one second): keeps every simulated duration far
+/// from `Duration` overflow.
+pub const MAX_US_PER_TOKEN: f64 = 1e6;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -36,7 +59,8 @@ pub enum Mode {
     Engine { dp_size: u32 },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+// Not `Eq`: the per-token times are floats.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub mode: Mode,
     pub host: String,
@@ -46,6 +70,16 @@ pub struct Config {
     /// rank wins).
     pub rank_delay_ms: Vec<(u32, u64)>,
     pub stream_interval_ms: u64,
+    /// Tokens per prefix-cache block, >= 1.
+    pub block_tokens: u32,
+    /// Prefix-cache capacity of each rank in blocks, 0 = unlimited.
+    pub cache_blocks: usize,
+    /// Service time per uncached prompt token, microseconds.
+    pub prefill_us_per_token: f64,
+    /// Service time per output token, microseconds.
+    pub decode_us_per_token: f64,
+    /// Requests each rank serves at once, 0 = unlimited.
+    pub max_concurrency: usize,
 }
 
 impl Config {
@@ -58,6 +92,11 @@ impl Config {
             delay_ms: 0,
             rank_delay_ms: Vec::new(),
             stream_interval_ms: 100,
+            block_tokens: 16,
+            cache_blocks: 0,
+            prefill_us_per_token: 0.0,
+            decode_us_per_token: 0.0,
+            max_concurrency: 0,
         }
     }
 
@@ -79,7 +118,7 @@ impl Config {
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub enum Command {
     Run(Config),
     Help,
@@ -120,6 +159,11 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             "--delay-ms" => cfg.delay_ms = number(&flag, &value)?,
             "--delay-ms-rank" => cfg.rank_delay_ms.push(rank_delay(&value)?),
             "--stream-interval-ms" => cfg.stream_interval_ms = number(&flag, &value)?,
+            "--block-tokens" => cfg.block_tokens = block_tokens(&value)?,
+            "--cache-blocks" => cfg.cache_blocks = number(&flag, &value)?,
+            "--prefill-us-per-token" => cfg.prefill_us_per_token = per_token_us(&flag, &value)?,
+            "--decode-us-per-token" => cfg.decode_us_per_token = per_token_us(&flag, &value)?,
+            "--max-concurrency" => cfg.max_concurrency = number(&flag, &value)?,
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
@@ -157,6 +201,26 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String> {
         .map_err(|_| format!("{flag}: invalid number {value:?}"))
 }
 
+/// `--block-tokens`: a block holds at least one token.
+fn block_tokens(value: &str) -> Result<u32, String> {
+    const FLAG: &str = "--block-tokens";
+    match number(FLAG, value)? {
+        0 => Err(format!("{FLAG} must be at least 1")),
+        n => Ok(n),
+    }
+}
+
+/// A per-token time in microseconds: finite, in 0..=MAX_US_PER_TOKEN.
+fn per_token_us(flag: &str, value: &str) -> Result<f64, String> {
+    let us: f64 = number(flag, value)?;
+    if !(0.0..=MAX_US_PER_TOKEN).contains(&us) {
+        return Err(format!(
+            "{flag}: expected microseconds in 0..={MAX_US_PER_TOKEN}, got {value:?}"
+        ));
+    }
+    Ok(us)
+}
+
 /// `R=D` of `--delay-ms-rank`.
 fn rank_delay(value: &str) -> Result<(u32, u64), String> {
     const FLAG: &str = "--delay-ms-rank";
@@ -191,6 +255,11 @@ mod tests {
         assert!(cfg.rank_delay_ms.is_empty());
         assert_eq!(cfg.stream_interval_ms, 100);
         assert_eq!(cfg.dp_size(), 1);
+        assert_eq!(cfg.block_tokens, 16);
+        assert_eq!(cfg.cache_blocks, 0);
+        assert_eq!(cfg.prefill_us_per_token, 0.0);
+        assert_eq!(cfg.decode_us_per_token, 0.0);
+        assert_eq!(cfg.max_concurrency, 0);
     }
 
     #[test]
@@ -203,6 +272,14 @@ mod tests {
             "--delay-ms",
             "5",
             "--stream-interval-ms=7",
+            "--block-tokens",
+            "32",
+            "--cache-blocks=1000",
+            "--prefill-us-per-token",
+            "2.5",
+            "--decode-us-per-token=40",
+            "--max-concurrency",
+            "8",
         ]);
         let expected = Config {
             mode: Mode::Rank(1),
@@ -211,6 +288,11 @@ mod tests {
             delay_ms: 5,
             rank_delay_ms: Vec::new(),
             stream_interval_ms: 7,
+            block_tokens: 32,
+            cache_blocks: 1000,
+            prefill_us_per_token: 2.5,
+            decode_us_per_token: 40.0,
+            max_concurrency: 8,
         };
         assert_eq!(cmd, Ok(Command::Run(expected)));
     }
@@ -259,6 +341,40 @@ mod tests {
         assert!(err(&["--engine", "--dp-size", "4", "--delay-ms-rank", "4=1"]).contains("rank 4"));
         for bad in ["1", "=5", "1=", "a=5", "1=x", "-1=5", "1=-5"] {
             err(&["--engine", "--dp-size", "4", "--delay-ms-rank", bad]);
+        }
+    }
+
+    #[test]
+    fn engine_model_flags() {
+        let cfg = run(&[
+            "--engine",
+            "--dp-size=2",
+            "--prefill-us-per-token=0",
+            "--decode-us-per-token",
+            "1e6",
+            "--block-tokens=1",
+        ]);
+        assert_eq!(cfg.prefill_us_per_token, 0.0);
+        assert_eq!(cfg.decode_us_per_token, 1e6);
+        assert_eq!(cfg.block_tokens, 1);
+        assert_eq!(
+            run(&["--rank=0", "--prefill-us-per-token=.25"]).prefill_us_per_token,
+            0.25
+        );
+    }
+
+    #[test]
+    fn engine_model_flag_errors() {
+        let err = |args: &[&str]| parse(args).expect_err(&format!("{args:?} must fail"));
+        assert!(err(&["--rank", "0", "--block-tokens", "0"]).contains("at least 1"));
+        err(&["--rank", "0", "--block-tokens", "-1"]);
+        err(&["--rank", "0", "--block-tokens", "1.5"]);
+        err(&["--rank", "0", "--cache-blocks", "-1"]);
+        err(&["--rank", "0", "--max-concurrency", "x"]);
+        for flag in ["--prefill-us-per-token", "--decode-us-per-token"] {
+            for bad in ["-1", "nan", "inf", "1e7", "x", ""] {
+                err(&["--rank", "0", flag, bad]);
+            }
         }
     }
 

@@ -325,7 +325,7 @@ fn parse_chunk_size(line: &[u8]) -> Result<u64, ReadError> {
 }
 
 /// How a response must be framed for the request it answers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ResponseMeta {
     /// Sent as `x-dp-rank`; `None` (engine mode, request not dispatched to an
     /// internal rank) sends no such header.
@@ -335,6 +335,8 @@ pub struct ResponseMeta {
     pub head_only: bool,
     /// HTTP/1.0 peers cannot read chunked responses.
     pub chunked_ok: bool,
+    /// Further headers, sent after `x-dp-rank` (names lower-case).
+    pub extra_headers: Vec<(&'static str, String)>,
 }
 
 impl ResponseMeta {
@@ -344,6 +346,7 @@ impl ResponseMeta {
             keep_alive: head.keep_alive,
             head_only: head.method == "HEAD",
             chunked_ok: !head.http10,
+            extra_headers: Vec::new(),
         }
     }
 
@@ -355,6 +358,7 @@ impl ResponseMeta {
             keep_alive: false,
             head_only: false,
             chunked_ok: true,
+            extra_headers: Vec::new(),
         }
     }
 }
@@ -371,11 +375,13 @@ pub fn reason(status: u16) -> &'static str {
     }
 }
 
+/// `keep_alive` is passed apart from `meta` because a stream that cannot be
+/// chunked must close even if the request allowed reuse.
 fn write_status_and_common<W: Write>(
     w: &mut W,
     status: u16,
     content_type: &str,
-    rank: Option<u32>,
+    meta: &ResponseMeta,
     keep_alive: bool,
 ) -> io::Result<()> {
     let connection = if keep_alive { "keep-alive" } else { "close" };
@@ -384,8 +390,11 @@ fn write_status_and_common<W: Write>(
         "HTTP/1.1 {status} {}\r\ncontent-type: {content_type}\r\n",
         reason(status)
     )?;
-    if let Some(rank) = rank {
+    if let Some(rank) = meta.rank {
         write!(w, "x-dp-rank: {rank}\r\n")?;
+    }
+    for (name, value) in &meta.extra_headers {
+        write!(w, "{name}: {value}\r\n")?;
     }
     write!(w, "connection: {connection}\r\n")
 }
@@ -399,7 +408,7 @@ pub fn write_response<W: Write>(
     content_type: &str,
     body: &[u8],
 ) -> io::Result<bool> {
-    write_status_and_common(w, status, content_type, meta.rank, meta.keep_alive)?;
+    write_status_and_common(w, status, content_type, meta, meta.keep_alive)?;
     write!(w, "content-length: {}\r\n\r\n", body.len())?;
     if !meta.head_only {
         w.write_all(body)?;
@@ -426,7 +435,7 @@ impl<'a, W: Write> BodyStream<'a, W> {
         // Without chunking the body ends at connection close, so no reuse.
         let chunked = meta.chunked_ok;
         let keep_alive = meta.keep_alive && chunked;
-        write_status_and_common(w, 200, content_type, meta.rank, keep_alive)?;
+        write_status_and_common(w, 200, content_type, meta, keep_alive)?;
         w.write_all(b"cache-control: no-cache\r\n")?;
         if chunked {
             w.write_all(b"transfer-encoding: chunked\r\n")?;
@@ -600,6 +609,24 @@ mod tests {
         assert!(text.contains("x-dp-rank: 2\r\n"));
         assert!(text.contains("transfer-encoding: chunked\r\n"));
         assert!(text.ends_with("\r\n\r\n9\r\ndata: x\n\n\r\n0\r\n\r\n"));
+    }
+
+    #[test]
+    fn extra_headers_follow_the_rank() {
+        let mut meta = ResponseMeta::closing(Some(1));
+        meta.extra_headers = vec![("x-a", "1".into()), ("x-b", "two".into())];
+        let mut out = Vec::new();
+        write_response(&mut out, &meta, 200, "text/plain", b"").expect("write");
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(
+            text.contains("x-dp-rank: 1\r\nx-a: 1\r\nx-b: two\r\nconnection: close\r\n"),
+            "{text}"
+        );
+        let mut out = Vec::new();
+        BodyStream::start(&mut out, &meta, "text/event-stream").expect("start");
+        assert!(String::from_utf8(out)
+            .expect("utf8")
+            .contains("x-b: two\r\n"));
     }
 
     #[test]

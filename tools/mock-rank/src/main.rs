@@ -3,13 +3,17 @@
 //! dp-affinity end-to-end tests and benchmarks behind Envoy.
 //!
 //! std-only HTTP/1.1, one thread per connection, keep-alive. See
-//! /work/notes/interfaces.md for the contract and `--help` for the CLI.
+//! /work/notes/interfaces.md for the contract and `--help` for the CLI. The
+//! engine model shared with other tools (prompt blocks, prefix cache) is the
+//! `mock_rank` library (src/lib.rs).
 
 mod api;
 mod cli;
 mod engine;
-mod fnv;
 mod http;
+mod rank;
+mod service;
+mod slots;
 mod stats;
 
 use std::io::{self, BufReader, BufWriter, Read, Write};

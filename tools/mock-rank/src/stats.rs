@@ -1,6 +1,8 @@
 //! Per-rank request counters: how many LLM requests a rank served and how
 //! many it is serving right now, so tests can observe load balancing and
-//! concurrency from outside (`mock.inflight` in answers, GET /mock/stats).
+//! concurrency from outside (`mock.inflight` in answers, GET /mock/stats),
+//! plus the prompt tokens it saw, how many the prefix cache held, and the
+//! longest queueing behind `--max-concurrency`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -13,14 +15,23 @@ pub struct RankStats {
     inflight: AtomicU64,
     /// Highest `inflight` seen since start / the last reset.
     max_inflight: AtomicU64,
+    /// Prompt tokens of the requests served.
+    prompt_tokens: AtomicU64,
+    /// Of those, tokens found in the rank's prefix cache.
+    cached_tokens: AtomicU64,
+    /// Longest wait for a `--max-concurrency` slot, microseconds.
+    max_queue_us: AtomicU64,
 }
 
 /// A point-in-time copy of `RankStats`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Snapshot {
     pub requests: u64,
     pub inflight: u64,
     pub max_inflight: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub max_queue_us: u64,
 }
 
 impl RankStats {
@@ -41,11 +52,24 @@ impl RankStats {
         }
     }
 
+    /// Records how a request was served: its prompt, the cached part of it,
+    /// and how long it queued for a slot.
+    pub fn record_service(&self, prompt_tokens: u64, cached_tokens: u64, queue_us: u64) {
+        self.prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::SeqCst);
+        self.cached_tokens
+            .fetch_add(cached_tokens, Ordering::SeqCst);
+        self.max_queue_us.fetch_max(queue_us, Ordering::SeqCst);
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             requests: self.requests.load(Ordering::SeqCst),
             inflight: self.inflight.load(Ordering::SeqCst),
             max_inflight: self.max_inflight.load(Ordering::SeqCst),
+            prompt_tokens: self.prompt_tokens.load(Ordering::SeqCst),
+            cached_tokens: self.cached_tokens.load(Ordering::SeqCst),
+            max_queue_us: self.max_queue_us.load(Ordering::SeqCst),
         }
     }
 
@@ -55,6 +79,9 @@ impl RankStats {
     /// it, i.e. from 0 when the rank is idle.
     pub fn reset(&self) {
         self.requests.store(0, Ordering::SeqCst);
+        self.prompt_tokens.store(0, Ordering::SeqCst);
+        self.cached_tokens.store(0, Ordering::SeqCst);
+        self.max_queue_us.store(0, Ordering::SeqCst);
         let now = self.inflight.load(Ordering::SeqCst);
         self.max_inflight.store(now, Ordering::SeqCst);
     }
@@ -87,6 +114,7 @@ mod tests {
             requests,
             inflight,
             max_inflight,
+            ..Snapshot::default()
         }
     }
 
@@ -131,6 +159,20 @@ mod tests {
         assert_eq!(stats.snapshot(), snap(0, 1, 1));
         drop(running);
         assert_eq!(stats.snapshot(), snap(0, 0, 1));
+        stats.reset();
+        assert_eq!(stats.snapshot(), snap(0, 0, 0));
+    }
+
+    #[test]
+    fn service_totals_and_reset() {
+        let stats = RankStats::default();
+        stats.record_service(100, 64, 30);
+        stats.record_service(50, 0, 10);
+        let s = stats.snapshot();
+        assert_eq!(
+            (s.prompt_tokens, s.cached_tokens, s.max_queue_us),
+            (150, 64, 30)
+        );
         stats.reset();
         assert_eq!(stats.snapshot(), snap(0, 0, 0));
     }
