@@ -8,7 +8,10 @@
 #   make validate  `envoy --mode validate` on every shipped Envoy config + the docker harness
 #   make unit      native unit tests (no Envoy needed)
 #   make e2e       end-to-end tests through a real Envoy
-#   make bench     scripts/bench.sh
+#   make bench     scripts/bench.sh: native micro-benchmarks, wasm size, overhead through Envoy,
+#                  the affinity comparison (hit rate, balance, latency per policy); < 10 min
+#   make bench-quick  the same, short (< 2 min without the build): for checking the tools
+#   make bench-smoke  scripts/bench-affinity.py --quick --check: part of `make test`
 #   make fuzz      scripts/fuzz.sh: every cargo-fuzz target for FUZZ_SECONDS (default 60); FUZZ_TARGETS picks some
 #   make clean     cargo clean; `make distclean` also drops .tools/
 
@@ -33,6 +36,7 @@ export ENVOY_VERSION
 export DP_AFFINITY_ENVOY ?= $(VENV)/bin/envoy
 export DP_AFFINITY_WASM ?= $(TARGET_DIR)/$(WASM_TARGET)/release/dp_affinity.wasm
 export DP_AFFINITY_MOCK ?= $(TARGET_DIR)/release/mock-rank
+export DP_AFFINITY_REPLAY ?= $(TARGET_DIR)/release/dp-replay
 # A test-only build with the `fault-injection` feature (a marked request panics the VM), kept in
 # its own target directory so it can never be mistaken for the shipped artifact.
 FAULT_TARGET_DIR := $(TARGET_DIR)/fault
@@ -46,7 +50,7 @@ E2E_PROFILE ?=
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?=
 
-.PHONY: all tools build wasm wasm-fault mock run test lint fmt validate unit e2e bench fuzz clean distclean
+.PHONY: all tools build wasm wasm-fault mock run test lint fmt validate unit e2e bench bench-quick bench-smoke fuzz clean distclean
 
 all: build
 
@@ -61,8 +65,9 @@ build: wasm mock
 wasm: tools
 	$(CARGO) build --release --target $(WASM_TARGET) -p dp-affinity
 
+# The mock rank server and the load generator (tools/replay), both native.
 mock:
-	$(CARGO) build --release -p mock-rank
+	$(CARGO) build --release -p mock-rank -p dp-replay
 
 wasm-fault: tools
 	CARGO_TARGET_DIR=$(FAULT_TARGET_DIR) $(CARGO) build --release --target $(WASM_TARGET) -p dp-affinity --features fault-injection
@@ -113,13 +118,19 @@ test: tools
 	$(MAKE) validate
 	$(MAKE) unit
 	$(MAKE) e2e
+	$(MAKE) bench-smoke
 
-bench:
-	@if [ -f scripts/bench.sh ]; then \
-	  $(MAKE) tools build && bash scripts/bench.sh; \
-	else \
-	  echo "make bench: scripts/bench.sh does not exist (no benchmark in this tree)" >&2; exit 1; \
-	fi
+bench: tools build
+	bash scripts/bench.sh
+
+bench-quick: tools build
+	bash scripts/bench.sh --quick
+
+# The benchmark tools' smoke test (in `make test`): the quick affinity comparison through a real
+# Envoy must answer every request and the filter's hit rate must beat round robin. Its report and
+# logs go to target/bench-smoke/ (kept for a failed run); nothing here asserts a time.
+bench-smoke: tools build
+	python3 scripts/bench-affinity.py --quick --check --out $(TARGET_DIR)/bench-smoke > /dev/null
 
 # Long-running, not part of `make test`: installs nightly and cargo-fuzz if missing.
 fuzz:

@@ -2,12 +2,12 @@
 # Builds the benchmark's floor: a proxy-wasm filter that does nothing (every callback returns
 # Continue, no host call), with the same SDK, toolchain and release profile as dp_affinity.
 # Envoy pays for any wasm filter (a V8 context per request, one VM entry per callback) before the
-# filter does any work; listener N of envoy/bench/direct.yaml measures that share, so the
+# filter does any work; listener N of scripts/bench-overhead.py measures that share, so the
 # report can tell the price of wasm itself from the price of dp_affinity's work.
 #
 # The crate is generated under target/bench-noop/ (git-ignored) and built offline from the cargo
 # registry cache that the dp-affinity build filled (same proxy-wasm version). Prints the wasm
-# path on stdout. Used by scripts/bench-envoy.sh.
+# path on stdout. Used by scripts/bench-overhead.py.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -2,17 +2,20 @@
 # Runs every benchmark behind the figures in BENCHMARKS.md and writes one report:
 #   1. native micro-benchmarks (`cargo bench --bench core`): affinity table, body field extraction;
 #   2. the size of the release wasm;
-#   3. plain Envoy vs Envoy + the filter under wrk (scripts/bench-envoy.sh).
+#   3. what the filter costs through Envoy against the same upstream, under wrk
+#      (scripts/bench-overhead.py);
+#   4. what affinity buys: hit rate, balance and latency per routing policy on a multi-turn
+#      workload through Envoy in front of mock ranks with a prefix cache (scripts/bench-affinity.py).
 # The report goes to results/bench-<UTC date>.md (results/ is git-ignored) and to stdout; raw
-# wrk outputs and the Envoy log go to results/bench-<UTC date>/.
+# data (wrk outputs, traces, per-request records, Envoy logs, the SVG chart) go to
+# results/bench-<UTC date>/.
 #
 #   make bench                 builds the tools, the wasm and the mock first, then runs this
 #   scripts/bench.sh [--quick] expects `make build` to have run; --quick: shorter, noisier
 #
-# Takes about 4.5 minutes (1.5 with --quick) on the 2-core machines, plus compiling the bench
-# binary when the source changed. Everything it starts (Envoy, wrk, the bench binary) is a child
-# that is stopped before it returns, also on Ctrl-C. Environment knobs of the Envoy part: see
-# scripts/bench-envoy.sh.
+# Takes under 10 minutes (under 2 with --quick) on the 2-core machines, plus compiling the bench
+# binary when the source changed. Everything it starts (Envoy, wrk, mock ranks, the load
+# generator, the bench binary) is a child that is stopped before it returns, also on Ctrl-C.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -89,7 +92,7 @@ machine() {
 }
 
 micro() {
-    log "1/3 native micro-benchmarks: cargo bench --bench core ${QUICK_ARG[*]}"
+    log "1/4 native micro-benchmarks: cargo bench --bench core ${QUICK_ARG[*]}"
     local out="$RAW/core.md"
     # Compiler output to a file: the report keeps only the bench's own table.
     child cargo bench --bench core -- "${QUICK_ARG[@]}" >"$out" 2>"$RAW/cargo-bench.log" ||
@@ -98,7 +101,7 @@ micro() {
 }
 
 wasm_size() {
-    log "2/3 wasm size"
+    log "2/4 wasm size"
     local bytes kib verdict
     bytes="$(stat -c %s "$WASM")"
     kib="$(awk -v b="$bytes" 'BEGIN {printf "%.1f", b / 1024}')"
@@ -108,13 +111,20 @@ wasm_size() {
         "| \`$SOURCE_WASM\` | $bytes B ($kib KiB) | ≤ 300 KiB | $verdict |" ""
 }
 
-through_envoy() {
-    log "3/3 through Envoy with wrk (scripts/bench-envoy.sh ${QUICK_ARG[*]})"
-    local out="$RAW/envoy.md"
-    child env BENCH_LOG_DIR="$RAW" ENVOY="$ENVOY" WASM="$WASM" \
-        bash scripts/bench-envoy.sh "${QUICK_ARG[@]}" >"$out" ||
-        die "the Envoy benchmark failed; see $RAW"
-    report "## Through Envoy (plain vs filter, wrk)" "" "$(cat "$out")" ""
+overhead() {
+    log "3/4 overhead through Envoy (scripts/bench-overhead.py ${QUICK_ARG[*]})"
+    local out="$RAW/overhead.md"
+    child env DP_AFFINITY_WASM="$WASM" python3 scripts/bench-overhead.py "${QUICK_ARG[@]}" --out "$RAW" >"$out" ||
+        die "the overhead benchmark failed; see $RAW"
+    report "$(cat "$out")" ""
+}
+
+affinity() {
+    log "4/4 affinity comparison (scripts/bench-affinity.py ${QUICK_ARG[*]})"
+    local out="$RAW/affinity.md"
+    child env DP_AFFINITY_WASM="$WASM" python3 scripts/bench-affinity.py "${QUICK_ARG[@]}" --out "$RAW" >"$out" ||
+        die "the affinity comparison failed; see $RAW"
+    report "$(cat "$out")" "" "Chart: \`$(ls "$RAW"/affinity-*.svg | head -n1)\`" ""
 }
 
 started=$SECONDS
@@ -122,7 +132,8 @@ started=$SECONDS
 machine
 micro
 wasm_size
-through_envoy
+overhead
+affinity
 report "Total time: $((SECONDS - started)) s. Raw outputs: \`$RAW/\`."
 log "report: $REPORT"
 cat "$REPORT"

@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""What the filter costs per request, through a real Envoy against the same upstream.
+
+One Envoy process (--concurrency 2, 127.0.0.1 only, no access log) with five listeners. Four of
+them proxy to the same upstream (the fifth listener, U: Envoy's buffer filter reads the whole
+request body, then a direct response answers 200), so every variant pays the same upstream hop
+and the only difference is the filter chain in front of the router:
+
+  A  plain Envoy: router -> upstream (the baseline of every ratio)
+  N  a no-op proxy-wasm filter (scripts/bench-noop-wasm.sh): what any wasm filter costs here
+  B  dp_affinity (assign.mode hash, dp_size 4): the routing key from a header, or from the body
+  H  Envoy's native hash routing: weighted_clusters + use_hash_policy on the key header
+
+Variants (wrk with a Lua script that every variant shares; keys from a set of 1000):
+  header     GET with x-smg-routing-key            A, N, B, H
+  body-1k    POST a 1 KiB chat body, routing_key last (the whole body is scanned)   A, B
+  body-64k   the same at 64 KiB                                                     A, B
+  body-1m    the same at 1 MiB                                                      A, B
+
+Two loads, alternated in rounds (medians reported): `sat` (wrk -t1 -c16: the 2 cores saturated,
+for requests/s) and `c1` (one connection: p50/p99 is the time a request takes, so B/A at p50 is
+the filter's share). Ratios are to A measured in the same run: these machines are noisy.
+Goals: header path p50 <= 1.10 x A; 64 KiB body p50 <= 1.25 x A.
+
+  scripts/bench-overhead.py [--quick] [--out results]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+TAG = "bench-overhead"
+KEYS = 1000
+BODY_VARIANTS = 16
+SIZES = {"body-1k": 1024, "body-64k": 64 * 1024, "body-1m": 1024 * 1024}
+GOALS = {"header": 1.10, "body-64k": 1.25}
+
+LUA = r"""
+-- args: mode (header | body), body file prefix, number of body files
+local mode, bodies, nkeys = "header", {}, 1000
+function init(args)
+  mode = args[1]
+  math.randomseed(os.time() + math.floor(os.clock() * 1e6))
+  if mode == "body" then
+    for i = 1, tonumber(args[3]) do
+      local f = assert(io.open(args[2] .. i .. ".json", "rb"))
+      bodies[i] = f:read("*a")
+      f:close()
+    end
+  end
+end
+function request()
+  if mode == "body" then
+    return wrk.format("POST", "/v1/chat/completions",
+      { ["content-type"] = "application/json" }, bodies[math.random(#bodies)])
+  end
+  return wrk.format("GET", "/v1/models", { ["x-smg-routing-key"] = "k-" .. math.random(nkeys) })
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "RESULT rps=%.1f p50_us=%d p99_us=%d requests=%d errors=%d non2xx=%d\n",
+    summary.requests / summary.duration * 1e6, latency:percentile(50), latency:percentile(99),
+    summary.requests, e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def chat_body(size, key):
+    """A chat-completions body of about `size` bytes with `routing_key` as the LAST member."""
+    head = '{"model":"mock-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"'
+    tail = f'"}}],"max_tokens":16,"routing_key":"{key}"}}'
+    words = "the quick brown fox jumps over the lazy dog while \\\"quoted\\\" text\\n flows on "
+    fill = size - len(head) - len(tail)
+    text = (words * (fill // len(words) + 1))[:max(fill, 0)]
+    text = text.rstrip("\\")  # never end the string on a lone backslash
+    return head + text + tail
+
+
+def listener(name, port, filters, routes):
+    return f"""  - name: {name}
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+    per_connection_buffer_limit_bytes: 10485760
+    enable_reuse_port: false
+    connection_balance_config: {{ exact_balance: {{}} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: {name}
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+{routes}          http_filters:
+{filters}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"""
+
+
+def wasm_filter(vm_id, path, config):
+    value = config.replace('"', '\\"')
+    return f"""          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {vm_id}
+                root_id: {vm_id}
+                allow_on_headers_stop_iteration: true
+                vm_config:
+                  vm_id: {vm_id}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: "{path}" }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: "{value}"
+"""
+
+
+def cluster(name, port):
+    return f"""  - name: {name}
+    type: STATIC
+    connect_timeout: 1s
+    circuit_breakers:
+      thresholds:
+      - {{ priority: DEFAULT, max_connections: 100000, max_pending_requests: 100000, max_requests: 100000 }}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }}
+"""
+
+
+def config(ports, admin, noop_wasm):
+    plain = '              - match: { prefix: "/" }\n                route: { cluster: up, timeout: 0s }\n'
+    filtered = (
+        '              - match: { prefix: "/", headers: [ { name: x-dp-affinity-cluster, present_match: true } ] }\n'
+        "                route: { cluster_header: x-dp-affinity-cluster, timeout: 0s }\n"
+        "                request_headers_to_remove: [x-dp-affinity-cluster]\n" + plain
+    )
+    hashed = "".join(f"                    - {{ name: dp-rank-{r}, weight: 1 }}\n" for r in range(4))
+    hashed = (
+        '              - match: { prefix: "/" }\n                route:\n                  timeout: 0s\n'
+        "                  hash_policy: [ { header: { header_name: x-smg-routing-key } } ]\n"
+        "                  weighted_clusters:\n                    use_hash_policy: true\n"
+        "                    clusters:\n" + hashed
+    )
+    upstream = (
+        '              - match: { prefix: "/" }\n'
+        '                direct_response: { status: 200, body: { inline_string: "{\\"ok\\":true}\\n" } }\n'
+        "                response_headers_to_add: [ { header: { key: x-dp-rank, value: \"1\" } } ]\n"
+    )
+    buffer = """          - name: envoy.filters.http.buffer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+              max_request_bytes: 4194304
+"""
+    plugin = json.dumps({"dp_size": 4, "assign": {"mode": "hash"}})
+    listeners = (
+        listener("plain", ports["A"], "", plain)
+        + listener("noop", ports["N"], wasm_filter("noop", noop_wasm, "{}"), plain)
+        + listener("filter", ports["B"], wasm_filter("dp_affinity", bc.WASM, plugin), filtered)
+        + listener("hash", ports["H"], "", hashed)
+        + listener("upstream", ports["U"], buffer, upstream)
+    )
+    clusters = cluster("up", ports["U"]) + "".join(cluster(f"dp-rank-{r}", ports["U"]) for r in range(4))
+    return f"""# Generated by scripts/bench-overhead.py.
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  listeners:
+{listeners}  clusters:
+{clusters}"""
+
+
+def wrk(port, mode, load, secs, workdir, body_prefix=""):
+    flags = ["-t1", "-c16"] if load == "sat" else ["-t1", "-c1"]
+    lua = os.path.join(workdir, "overhead.lua")
+    argv = ["wrk", *flags, f"-d{secs}s", "--latency", "-s", lua, f"http://127.0.0.1:{port}",
+            "--", mode, body_prefix, str(BODY_VARIANTS)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=secs + 60)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk gave no RESULT line: {out.stdout[-500:]} {out.stderr[-500:]}")
+    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def variants():
+    out = [("header", k, "header") for k in ("A", "N", "B", "H")]
+    for size in SIZES:
+        out += [(size, k, "body") for k in ("A", "B")]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 round of short runs: for checking the harness")
+    ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"))
+    args = ap.parse_args()
+    bc.require([("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build")])
+    if shutil.which("wrk") is None:
+        bc.log(TAG, "installing wrk (apt-get)")
+        subprocess.run("apt-get update -qq && apt-get install -y -qq wrk", shell=True, check=True,
+                       stdout=sys.stderr)
+    sat_s, c1_s, rounds, warm = (2, 2, 1, 1) if args.quick else (4, 3, 2, 1)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    workdir = os.path.join(args.out, f"overhead-{stamp}")
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "overhead.lua"), "w") as f:
+        f.write(LUA)
+    rng = random.Random(3)
+    for name, size in SIZES.items():
+        for i in range(1, BODY_VARIANTS + 1):
+            body = chat_body(size, f"conv-{rng.getrandbits(64):016x}")
+            json.loads(body)  # the bench must send valid JSON, or it measures the malformed path
+            with open(os.path.join(workdir, f"{name}-{i}.json"), "w") as f:
+                f.write(body)
+    noop = subprocess.run(["bash", os.path.join(bc.ROOT, "scripts/bench-noop-wasm.sh")],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ports = {k: bc.free_port() for k in "ANBHU"}
+    began = time.time()
+    results = []
+    with bc.Children() as children:
+        proc, admin = bc.start_envoy(children, config(ports, bc.free_port(), noop), workdir, "envoy")
+        hz = os.sysconf("SC_CLK_TCK")
+
+        def run(size, key, mode, load, secs, label):
+            prefix = os.path.join(workdir, f"{size}-") if mode == "body" else ""
+            t0 = cpu_ticks(proc.pid)
+            r = wrk(ports[key], mode, load, secs, workdir, prefix)
+            r["cpu_us"] = (cpu_ticks(proc.pid) - t0) / hz * 1e6 / max(r["requests"], 1)
+            r.update(size=size, variant=key, load=load, label=label)
+            bc.log(TAG, f"{load:3} {size:8} {key} {label:7} {r['rps']:8.0f} req/s  p50 {r['p50_us']:6.0f} µs  "
+                        f"p99 {r['p99_us']:6.0f} µs  cpu {r['cpu_us']:5.1f} µs/req  errors {r['errors']:.0f}")
+            return r
+
+        for size, key, mode in variants():
+            run(size, key, mode, "sat", warm, "warmup")
+        for load, secs in (("sat", sat_s), ("c1", c1_s)):
+            for rnd in range(rounds):
+                for size, key, mode in variants():
+                    results.append(run(size, key, mode, load, secs, f"round{rnd + 1}"))
+        counters = bc.filter_counters(admin)
+    report = markdown(results, counters, {
+        "date": stamp, "machine": bc.machine_line(), "total_s": time.time() - began,
+        "command": "scripts/bench-overhead.py" + (" --quick" if args.quick else ""),
+        "runs": f"sat {sat_s} s, c1 {c1_s} s, {rounds} round(s)", "workdir": os.path.relpath(workdir, bc.ROOT),
+    })
+    with open(os.path.join(args.out, f"overhead-{stamp}.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(args.out, f"overhead-{stamp}.json"), "w") as f:
+        json.dump({"results": results, "filter_counters": counters}, f, indent=1)
+    print(report)
+
+
+def median_of(results, size, key, load, field):
+    vals = [r[field] for r in results if (r["size"], r["variant"], r["load"]) == (size, key, load)]
+    return statistics.median(vals) if vals else None
+
+
+NAMES = {"A": "plain Envoy", "N": "no-op wasm filter", "B": "dp_affinity", "H": "Envoy native hash"}
+
+
+def markdown(results, counters, meta):
+    lines = [
+        "## Overhead through Envoy (same upstream)", "",
+        f"- date: {meta['date']}; machine: {meta['machine']}",
+        f"- command: `{meta['command']}` ({meta['runs']}); total {meta['total_s']:.0f} s; raw data in `{meta['workdir']}`",
+        "- one Envoy (--concurrency 2): listeners A plain, N no-op wasm, B dp_affinity, H native hash, all",
+        "  proxying to listener U of the same process (buffer filter + direct response); wrk on the same 2 cores",
+        "- req/s from `wrk -t1 -c16` (saturated); p50/p99 from `wrk -t1 -c1` (one request in flight);",
+        "  medians over the rounds; × A = ratio to plain Envoy with the same request in the same run",
+        "", "| request | variant | req/s | × A | p50 | × A | Δp50 | p99 | × A | Envoy CPU/req | goal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for size in ["header", *SIZES]:
+        base = {f: median_of(results, size, "A", l, f) for f, l in
+                (("rps", "sat"), ("p50_us", "c1"), ("p99_us", "c1"))}
+        for key in ("A", "N", "B", "H"):
+            rps = median_of(results, size, key, "sat", "rps")
+            if rps is None:
+                continue
+            p50 = median_of(results, size, key, "c1", "p50_us")
+            p99 = median_of(results, size, key, "c1", "p99_us")
+            cpu = median_of(results, size, key, "c1", "cpu_us")
+            ratio = p50 / base["p50_us"]
+            goal = ""
+            if key == "B" and size in GOALS:
+                goal = f"{'met' if ratio <= GOALS[size] else '**missed**'} (p50 ≤ {GOALS[size]:.2f}×)"
+            lines.append(
+                f"| {size} | {key} {NAMES[key]} | {rps:.0f} | {rps / base['rps']:.2f} | {p50:.0f} µs | {ratio:.2f} "
+                f"| {p50 - base['p50_us']:+.0f} µs | {p99:.0f} µs | {p99 / base['p99_us']:.2f} | {cpu:.1f} µs | {goal} |"
+            )
+    lines += ["", "Filter counters over the whole run (B): " + ", ".join(
+        f"{k} {v}" for k, v in sorted(counters.items()) if v), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
