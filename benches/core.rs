@@ -22,6 +22,9 @@ use dp_affinity::config::{Config, TableConfig};
 use dp_affinity::extract::scan_body;
 use dp_affinity::hash::KeyedHasher;
 use dp_affinity::json_scan::scan_top_level;
+use dp_affinity::prefix::{
+    prompt_chain, scan_prompt, Api, Match, PrefixConfig, PrefixHasher, PrefixIndex,
+};
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored};
 
 // ---------------------------------------------------------------------------------------------
@@ -600,11 +603,219 @@ fn extraction_rows(b: Budget) -> Vec<Row> {
     rows
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prompt prefixes: chain hashing and the prefix index
+// ---------------------------------------------------------------------------------------------
+
+/// A `/generate` body of about `size` bytes of `input_ids` (ids below 128k, as a real vocabulary).
+fn ids_body(size: usize) -> Vec<u8> {
+    let mut body = String::from(r#"{"input_ids":["#);
+    let mut n = 0u64;
+    while body.len() + 64 < size {
+        if n > 0 {
+            body.push(',');
+        }
+        body.push_str(&(splitmix(n) % 128_000).to_string());
+        n += 1;
+    }
+    body.push_str(r#"],"sampling_params":{"max_new_tokens":16}}"#);
+    body.into_bytes()
+}
+
+fn prefix_hashing_rows(b: Budget) -> Vec<Row> {
+    let pcfg = PrefixConfig::default();
+    let hasher = PrefixHasher::new(b"");
+    let cfg = Config::from_json(br#"{"dp_size":8}"#).expect("bench config");
+    let wanted: Vec<&str> = cfg.body.wanted_fields.iter().map(String::as_str).collect();
+    let mut rows = Vec::new();
+    for size in [1 << 10, 64 << 10, 1 << 20] {
+        let body = chat_body(size);
+        let len = body.len();
+        let chain = prompt_chain(&body, Api::Chat, &pcfg, &hasher).expect("bench body walks");
+        assert!(
+            chain.len() >= (len / 512).min(128) * 9 / 10,
+            "blocks hashed"
+        );
+        let goal = if size == 64 << 10 {
+            Goal::MinMbps {
+                bytes: len,
+                mbps: 1000.0,
+            }
+        } else {
+            Goal::Mbps(len)
+        };
+        rows.push(Row {
+            name: format!("prefix::prompt_chain, {} chat body", size_name(size)),
+            sample: measure(b, |_| {
+                let c = prompt_chain(black_box(&body), Api::Chat, &pcfg, &hasher);
+                black_box(c.map(|c| c.len()).ok());
+            }),
+            goal,
+            note: format!(
+                "{len} B; blocks of 512 B hashed: {}{}",
+                chain.len(),
+                if chain.capped() {
+                    ", capped: the rest only walked"
+                } else {
+                    ""
+                }
+            ),
+        });
+        if size == 64 << 10 {
+            // The one pass the filter can make: body fields and the chain together.
+            rows.push(Row {
+                name: "prefix::scan_prompt + body fields, 64 KiB".into(),
+                sample: measure(b, |_| {
+                    let mut hits = 0;
+                    let c = scan_prompt(
+                        black_box(&body),
+                        Api::Chat,
+                        &pcfg,
+                        &hasher,
+                        &wanted,
+                        |_, _| hits += 1,
+                    );
+                    black_box((c.map(|c| c.len()).ok(), hits));
+                }),
+                goal: Goal::Mbps(len),
+                note:
+                    "chain plus scan_body's fields in one pass (compare scan_body + prompt_chain)"
+                        .into(),
+            });
+        }
+    }
+    let body = ids_body(64 << 10);
+    let len = body.len();
+    let chain = prompt_chain(&body, Api::Generate, &pcfg, &hasher).expect("ids body walks");
+    rows.push(Row {
+        name: "prefix::prompt_chain, 64 KiB input_ids body".into(),
+        sample: measure(b, |_| {
+            let c = prompt_chain(black_box(&body), Api::Generate, &pcfg, &hasher);
+            black_box(c.map(|c| c.len()).ok());
+        }),
+        goal: Goal::Mbps(len),
+        note: format!("{len} B; blocks of 64 ids hashed: {}", chain.len()),
+    });
+    rows
+}
+
+/// Resident prompts (random 128-block chains) recorded in a prefix index over the bench store.
+struct PrefixFixture {
+    index: PrefixIndex,
+    store: BenchStore,
+    chains: Vec<Vec<u64>>,
+}
+
+const RESIDENT_PROMPTS: usize = 20_000;
+
+fn random_chain(tag: u64, len: usize) -> Vec<u64> {
+    (0..len as u64)
+        .map(|i| splitmix(tag.wrapping_mul(0x1_0000_0001) ^ i))
+        .collect()
+}
+
+fn prefix_fixture() -> PrefixFixture {
+    let mut cfg = PrefixConfig::default();
+    cfg.table.namespace = "bench_prefix".into();
+    let index = PrefixIndex::new(&cfg);
+    let store = BenchStore::default();
+    index.table().ensure_buckets(&store);
+    let chains: Vec<Vec<u64>> = (0..RESIDENT_PROMPTS as u64)
+        .map(|n| random_chain(n, 128))
+        .collect();
+    for (n, c) in chains.iter().enumerate() {
+        index.record(&store, c, n as u32 % DP_SIZE, T0, &Match::default());
+    }
+    PrefixFixture {
+        index,
+        store,
+        chains,
+    }
+}
+
+fn prefix_index_rows(b: Budget) -> Vec<Row> {
+    let f = prefix_fixture();
+    let mut rows = Vec::new();
+    // Queries built from resident chain `i`: the first `shared` blocks, then fresh ones.
+    let query = |i: u64, shared: usize| -> Vec<u64> {
+        let base = &f.chains[(i % RESIDENT_PROMPTS as u64) as usize];
+        let mut q = random_chain(i ^ 0x00c0_ffee_0000_0000, 128);
+        q[..shared].copy_from_slice(&base[..shared]);
+        q
+    };
+    let cases = [
+        (
+            128,
+            128,
+            "resident prompt (a conversation turn that crossed no grid position)",
+        ),
+        (96, 96, "shares 96 of 128 blocks (a turn that crossed one)"),
+        (0, 0, "shares nothing"),
+        (8, 8, "shares 8 blocks (a common system prompt)"),
+    ];
+    for (shared, want, what) in cases {
+        // Queries are built outside the timed op: only the index work is measured.
+        let queries: Vec<Vec<u64>> = (0..4096u64).map(|i| query(i * 5 + 1, shared)).collect();
+        let mut reads = 0u32;
+        let sample = measure(b, |i| {
+            let q = &queries[(i % queries.len() as u64) as usize];
+            let m = f.index.longest_match(&f.store, q, T0, DP_SIZE);
+            assert_eq!(m.blocks, want, "fixture broken");
+            reads = m.reads;
+            black_box(m);
+        });
+        rows.push(Row {
+            name: format!("prefix longest_match, {what}"),
+            sample,
+            goal: Goal::Ns,
+            note: format!("{reads} store reads; clock fixed (no refresh)"),
+        });
+    }
+    // Recording a prompt the index has never seen: every grid position is written.
+    let fresh_matched = Match::default();
+    let writes = f.index.writes_needed(128, &fresh_matched);
+    let mut n = 0u64;
+    let sample = measure(b, |_| {
+        n += 1;
+        let c = random_chain(n ^ 0x7e57_0000_0000_0000, 128);
+        black_box(
+            f.index
+                .record(&f.store, &c, (n % 8) as u32, T0, &fresh_matched),
+        );
+    });
+    rows.push(Row {
+        name: "prefix record, new 128-block prompt".into(),
+        sample,
+        goal: Goal::Ns,
+        note: format!("{writes} entries (CAS read + write each); chain generation included"),
+    });
+    // The whole request-path work at 64 KiB: hash the body's prompt, search the index.
+    let pcfg = PrefixConfig::default();
+    let hasher = PrefixHasher::new(b"");
+    let body = chat_body(64 << 10);
+    let chain = prompt_chain(&body, Api::Chat, &pcfg, &hasher).expect("bench body walks");
+    f.index
+        .record(&f.store, chain.hashes(), 3, T0, &Match::default());
+    rows.push(Row {
+        name: "prefix prompt_chain + longest_match, 64 KiB chat body".into(),
+        sample: measure(b, |_| {
+            let c = prompt_chain(black_box(&body), Api::Chat, &pcfg, &hasher);
+            let m = c.map(|c| f.index.longest_match(&f.store, c.hashes(), T0, DP_SIZE));
+            assert!(m.is_ok_and(|m| m.rank == Some(3)), "resident body");
+        }),
+        goal: Goal::Ns,
+        note: "request-path prefix work, resident prompt (1 read)".into(),
+    });
+    rows
+}
+
 fn main() {
     let budget = Budget::from_env();
     let started = Instant::now();
     let mut rows = table_rows(budget);
     rows.extend(extraction_rows(budget));
+    rows.extend(prefix_hashing_rows(budget));
+    rows.extend(prefix_index_rows(budget));
     print_table(&rows);
     println!();
     println!(

@@ -64,7 +64,9 @@ function request()
     return wrk.format("POST", "/v1/chat/completions",
       { ["content-type"] = "application/json" }, bodies[math.random(#bodies)])
   end
-  return wrk.format("GET", "/v1/models", { ["x-smg-routing-key"] = "k-" .. math.random(nkeys) })
+  local h = { ["x-smg-routing-key"] = "k-" .. math.random(nkeys) }
+  if mode == "explicit" then h["x-data-parallel-rank"] = "1" end
+  return wrk.format("GET", "/v1/models", h)
 end
 function done(summary, latency, requests)
   local e = summary.errors
@@ -169,7 +171,7 @@ def config(ports, admin, noop_wasm):
               "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
               max_request_bytes: 4194304
 """
-    plugin = json.dumps({"dp_size": 4, "assign": {"mode": "hash"}})
+    plugin = os.environ.get("BENCH_PLUGIN") or json.dumps({"dp_size": 4, "assign": {"mode": "hash"}})
     listeners = (
         listener("plain", ports["A"], "", plain)
         + listener("noop", ports["N"], wasm_filter("noop", noop_wasm, "{}"), plain)
@@ -205,9 +207,11 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])
 
 
-def variants():
-    out = [("header", k, "header") for k in ("A", "N", "B", "H")]
+def variants(only=None):
+    out = [("header", k, os.environ.get("BENCH_HEADER_MODE", "header")) for k in ("A", "N", "B", "H")]
     for size in SIZES:
+        if only and size not in only:
+            continue
         out += [(size, k, "body") for k in ("A", "B")]
     return out
 
@@ -216,6 +220,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round of short runs: for checking the harness")
     ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"))
+    ap.add_argument("--sizes", help="comma-separated body sizes to run besides the header path "
+                    "(body-1k,body-64k,body-1m; default all)")
     args = ap.parse_args()
     bc.require([("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build")])
     if shutil.which("wrk") is None:
@@ -254,11 +260,12 @@ def main():
                         f"p99 {r['p99_us']:6.0f} µs  cpu {r['cpu_us']:5.1f} µs/req  errors {r['errors']:.0f}")
             return r
 
-        for size, key, mode in variants():
+        only = args.sizes.split(",") if args.sizes is not None else None
+        for size, key, mode in variants(only):
             run(size, key, mode, "sat", warm, "warmup")
         for load, secs in (("sat", sat_s), ("c1", c1_s)):
             for rnd in range(rounds):
-                for size, key, mode in variants():
+                for size, key, mode in variants(only):
                     results.append(run(size, key, mode, load, secs, f"round{rnd + 1}"))
         counters = bc.filter_counters(admin)
     report = markdown(results, counters, {

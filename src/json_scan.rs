@@ -96,13 +96,15 @@ pub fn scan_top_level<'a>(
     }
 }
 
-struct Scanner<'a> {
-    b: &'a [u8],
-    i: usize,
+/// The cursor over a body. Crate-visible so other single-pass walkers (the prompt walker in
+/// `prefix`) reuse the same grammar checks instead of growing a second JSON reader.
+pub(crate) struct Scanner<'a> {
+    pub(crate) b: &'a [u8],
+    pub(crate) i: usize,
 }
 
 impl<'a> Scanner<'a> {
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
 
@@ -110,13 +112,13 @@ impl<'a> Scanner<'a> {
         ScanError::Syntax(self.i)
     }
 
-    fn next_byte(&mut self) -> Result<u8, ScanError> {
+    pub(crate) fn next_byte(&mut self) -> Result<u8, ScanError> {
         let c = self.peek().ok_or(self.err())?;
         self.i += 1;
         Ok(c)
     }
 
-    fn expect(&mut self, c: u8) -> Result<(), ScanError> {
+    pub(crate) fn expect(&mut self, c: u8) -> Result<(), ScanError> {
         if self.peek() == Some(c) {
             self.i += 1;
             Ok(())
@@ -125,7 +127,7 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    fn expect_end(&mut self) -> Result<(), ScanError> {
+    pub(crate) fn expect_end(&mut self) -> Result<(), ScanError> {
         self.skip_ws();
         if self.i == self.b.len() {
             Ok(())
@@ -134,14 +136,14 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    fn skip_ws(&mut self) {
+    pub(crate) fn skip_ws(&mut self) {
         while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
             self.i += 1;
         }
     }
 
     /// Parses one value of a wanted member.
-    fn value(&mut self) -> Result<Value<'a>, ScanError> {
+    pub(crate) fn value(&mut self) -> Result<Value<'a>, ScanError> {
         match self.peek() {
             Some(b'"') => Ok(Value::Str(self.string()?)),
             Some(b'{') => self.skip_value().map(|_| Value::Object),
@@ -164,7 +166,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Checks the number grammar `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
-    fn number(&mut self) -> Result<&'a [u8], ScanError> {
+    pub(crate) fn number(&mut self) -> Result<&'a [u8], ScanError> {
         let start = self.i;
         if self.peek() == Some(b'-') {
             self.i += 1;
@@ -205,7 +207,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Parses a string at the cursor (which must be on `"`), unescaping only when needed.
-    fn string(&mut self) -> Result<Cow<'a, [u8]>, ScanError> {
+    pub(crate) fn string(&mut self) -> Result<Cow<'a, [u8]>, ScanError> {
         self.expect(b'"')?;
         let start = self.i;
         self.i = find_quote_or_backslash(self.b, self.i);
@@ -295,7 +297,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Skips one value of any type, checking its structure, without recursion.
-    fn skip_value(&mut self) -> Result<(), ScanError> {
+    pub(crate) fn skip_value(&mut self) -> Result<(), ScanError> {
         let mut stack = BitStack::default();
         loop {
             // At the start of a value.
@@ -359,7 +361,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Skips a string without unescaping it (escapes are still checked for shape).
-    fn skip_string(&mut self) -> Result<(), ScanError> {
+    pub(crate) fn skip_string(&mut self) -> Result<(), ScanError> {
         self.expect(b'"')?;
         loop {
             self.i = find_quote_or_backslash(self.b, self.i);
