@@ -2,26 +2,36 @@
 """What affinity buys: prefix-cache hit rate, balance and latency of each routing policy on the
 same multi-turn workload, through a real Envoy in front of mock ranks that simulate a prefix cache.
 
-For every configuration (4 ranks, 8 ranks, 4 ranks behind 2 Envoy replicas) and every policy:
-fresh mock ranks (empty caches) are started, Envoy with the policy's config in front of them, and
-`dp-replay run` replays the workload's trace open-loop (same trace, same arrival times for every
-policy). The offline oracle (`dp-replay oracle`: one unlimited cache shared by every request, the
-upper bound of any placement) gives the denominator of "hit rate / oracle".
+For every configuration and every policy: fresh mock ranks (empty caches) are started, Envoy with
+the policy's config in front of them, and `dp-replay run` replays the workload's trace open-loop
+(same trace, same arrival times for every policy). The offline oracle (`dp-replay oracle`: one
+unlimited cache shared by every request, the upper bound of any placement) gives the denominator
+of "hit rate / oracle".
+
+Suites:
+  keyed   every request carries its session's routing key (header): 4 ranks, 8 ranks, 4 ranks
+          behind 2 Envoy replicas, 4 ranks with small caches
+  prefix  no routing key at all: the filter's prompt-prefix index vs session keys vs round robin,
+          on the synthetic chat workload (4 and 8 ranks) and on a block-id trace (4 ranks)
 
 Writes results/affinity-<UTC>.md (the report, also printed), .json (every figure) and .svg (the
 chart), with traces, per-request records and Envoy logs under results/affinity-<UTC>/.
 
-  scripts/bench-affinity.py            # the full comparison (`make bench` runs it)
-  scripts/bench-affinity.py --quick    # 4 ranks, 3 policies, a short workload (`make bench-quick`)
+  scripts/bench-affinity.py                  # both suites (`make bench` runs this)
+  scripts/bench-affinity.py --suite keyed    # one suite
+  scripts/bench-affinity.py --quick          # 4 ranks, a few policies, a short workload
   scripts/bench-affinity.py --quick --check
       # the smoke test of `make test`: fails (exit 1) unless every run completed without errors
       # and the filter's token hit rate beats Envoy round robin. Never a timing assertion.
+  scripts/bench-affinity.py --suite prefix --trace FILE
+      # the prefix suite on your own JSONL trace (e.g. a public block-id KV-cache trace)
 """
 
 import argparse
 import datetime
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -33,20 +43,31 @@ import report_svg  # noqa: E402
 
 TAG = "bench-affinity"
 
-# Policies: (name, description, plugin `assign` section or None for Envoy without the filter).
-UNBOUNDED = {"mode": "hash", "load_factor": 100, "pinned_load_factor": 100}
+
+def policy(desc, assign=None, keys="header", prefix=None):
+    """assign: the plugin's `assign` section (None: Envoy without the filter); keys: how
+    dp-replay sends the routing key (header | none); prefix: the plugin's `prefix` section."""
+    return {"desc": desc, "assign": assign, "keys": keys, "prefix": prefix}
+
+
+BOUNDED = {"mode": "hash", "min_capacity": 4}
 POLICIES = {
-    "filter-learn": ("dp_affinity: Envoy picks new keys (LEAST_REQUEST), filter learns + pins", {"mode": "envoy"}),
-    "filter-hash": ("dp_affinity: rendezvous hash of the key, no load bound", UNBOUNDED),
-    "filter-hash-bounded": (
-        "dp_affinity: rendezvous hash + bounded load (c = 1.25, floor 4 = the engine's batch)",
-        {"mode": "hash", "min_capacity": 4},
-    ),
-    "envoy-rr": ("Envoy ROUND_ROBIN over all ranks", None),
-    "envoy-lr": ("Envoy LEAST_REQUEST over all ranks", None),
-    "envoy-hash": ("Envoy weighted_clusters + use_hash_policy on the key header", None),
+    "filter-learn": policy("dp_affinity: Envoy picks new keys (LEAST_REQUEST), the filter learns and pins",
+                           {"mode": "envoy"}),
+    "filter-hash": policy("dp_affinity: rendezvous hash of the key, no load bound",
+                          {"mode": "hash", "load_factor": 100, "pinned_load_factor": 100}),
+    "filter-hash-bounded": policy(
+        "dp_affinity: rendezvous hash + bounded load (c = 1.25, floor 4 = the engine's batch)", BOUNDED),
+    "filter-prefix": policy(
+        "dp_affinity, NO routing key: prompt-prefix index + bounded load (c = 1.25, floor 4)",
+        BOUNDED, keys="none", prefix={"enabled": True}),
+    "envoy-rr": policy("Envoy ROUND_ROBIN over all ranks"),
+    "envoy-lr": policy("Envoy LEAST_REQUEST over all ranks"),
+    "envoy-hash": policy("Envoy weighted_clusters + use_hash_policy on the key header"),
 }
-ALL = list(POLICIES)
+KEYED_ALL = ["filter-learn", "filter-hash", "filter-hash-bounded", "envoy-rr", "envoy-lr", "envoy-hash"]
+PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr", "envoy-lr"]
+PREFIX_SHORT = ["filter-prefix", "filter-hash-bounded", "envoy-rr"]
 
 # The mock ranks' engine model, the same for every run: 16-token blocks; prefill 50 us per uncached
 # prompt token, decode 3 ms per output token; 4 requests served at once per rank (more queue); a
@@ -56,14 +77,13 @@ BLOCK_TOKENS = 16
 MOCK_MODEL = ["--prefill-us-per-token", "50", "--decode-us-per-token", "3000", "--max-concurrency", "4"]
 
 
-def workload(ranks, quick):
+def chat_workload(ranks, quick):
     """`dp-replay synth` flags. Sessions and their arrival rate scale with the rank count, so each
     rank sees the same load whatever the configuration."""
-    sessions = (16 if quick else 40) * ranks
     return [
         "--seed", "7",
         "--tenants", str(ranks),
-        "--sessions", str(sessions),
+        "--sessions", str((16 if quick else 32) * ranks),
         "--session-rate", str(4.0 * ranks),
         "--max-turns", "12",
         "--zipf", "0.8",
@@ -75,72 +95,142 @@ def workload(ranks, quick):
     ]
 
 
-def configurations(quick):
-    """(label, ranks, Envoy replicas, cache scale, policies). Cache scale 1: the ranks together can
-    hold every distinct block once (see cache_blocks); 0.25: a quarter of that (cache pressure)."""
+def block_trace(path, ranks, seed=11):
+    """A block-id trace in the shape of public KV-cache traces (Mooncake: `timestamp`, `hash_ids`,
+    `output_length`), written deterministically: per session a system prompt of 48 blocks shared by
+    its tenant, often one of 12 shared documents (Zipf-like popularity, 24-96 blocks), then turns
+    that each append 6-12 new blocks. No routing key: sharing is visible only in the blocks."""
+    rng = random.Random(seed)
+    next_id = [1]
+
+    def fresh(n):
+        ids = list(range(next_id[0], next_id[0] + n))
+        next_id[0] += n
+        return ids
+
+    tenants = [fresh(48) for _ in range(ranks)]
+    docs = [fresh(rng.randint(24, 96)) for _ in range(12)]
+    doc_weights = [1.0 / (i + 1) for i in range(len(docs))]
+    lines, start = [], 0.0
+    for s in range(32 * ranks):
+        start += rng.expovariate(4.0 * ranks) * 1000.0
+        prefix = list(rng.choice(tenants))
+        if rng.random() < 0.7:
+            prefix += rng.choices(docs, doc_weights)[0]
+        t = start
+        for _ in range(min(12, int(rng.paretovariate(1.2)))):
+            prefix += fresh(rng.randint(6, 12))
+            lines.append({"timestamp": round(t, 1), "hash_ids": list(prefix), "output_length": 48,
+                          "key": f"b-s{s}"})
+            prefix += fresh(3)  # the answer, resent in the next turn
+            t += 700.0 + rng.expovariate(1 / 500.0)
+    lines.sort(key=lambda r: r["timestamp"])
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
+def configurations(suite, quick, trace):
+    """Dicts: label, ranks, replicas, cache scale (1: the ranks together can hold every distinct
+    block once; 0.25: a quarter of that), workload (chat | blocks | a trace file), policies, goal
+    (hit share of the oracle, max/mean requests)."""
+    keyed_goal, prefix_goal = (0.97, 1.15), (0.97, 1.10)
+
+    def cfg(label, ranks, policies, goal, replicas=1, scale=1.0, workload="chat"):
+        return {"label": label, "ranks": ranks, "replicas": replicas, "scale": scale,
+                "workload": workload, "policies": policies, "goal": goal}
+
     if quick:
-        return [("4 ranks", 4, 1, 1.0, ["filter-hash-bounded", "filter-learn", "envoy-rr"])]
-    return [
-        ("4 ranks", 4, 1, 1.0, ALL),
-        ("8 ranks", 8, 1, 1.0, ALL),
-        ("4 ranks, 2 Envoy replicas", 4, 2, 1.0, ["filter-learn", "filter-hash-bounded", "envoy-lr"]),
-        ("4 ranks, caches 1/4 the size", 4, 1, 0.25, ["filter-hash-bounded", "envoy-lr", "envoy-rr"]),
-    ]
+        return [cfg("4 ranks", 4, ["filter-hash-bounded", "filter-learn", "envoy-rr"], keyed_goal)]
+    out = []
+    if suite in ("keyed", "all"):
+        out += [
+            cfg("4 ranks", 4, KEYED_ALL, keyed_goal),
+            cfg("8 ranks", 8, KEYED_ALL, keyed_goal),
+            cfg("4 ranks, 2 Envoy replicas", 4, ["filter-learn", "filter-hash-bounded", "envoy-lr"],
+                keyed_goal, replicas=2),
+            cfg("4 ranks, caches 1/4 the size", 4, ["filter-hash-bounded", "envoy-lr", "envoy-rr"],
+                keyed_goal, scale=0.25),
+        ]
+    if suite in ("prefix", "all"):
+        if trace:
+            out.append(cfg(f"4 ranks, {os.path.basename(trace)}", 4, PREFIX_ALL, prefix_goal, workload=trace))
+        else:
+            out += [
+                cfg("no routing key, 4 ranks", 4, PREFIX_ALL, prefix_goal),
+                cfg("no routing key, 8 ranks", 8, PREFIX_SHORT, prefix_goal),
+                cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_SHORT, prefix_goal, workload="blocks"),
+            ]
+    return out
 
 
-def replay(args, capture=True):
-    r = subprocess.run([bc.REPLAY, *args], capture_output=capture, text=True)
+def replay(args):
+    r = subprocess.run([bc.REPLAY, *args], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"dp-replay {args[0]} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
     return r.stdout
 
 
-def make_trace(workdir, ranks, quick):
-    path = os.path.join(workdir, f"trace-{ranks}ranks.jsonl")
-    with open(path, "w") as f:
-        f.write(replay(["synth", *workload(ranks, quick)]))
+def make_trace(workdir, c, quick):
+    """(trace path, description, oracle) of a configuration's workload."""
+    kind, ranks = c["workload"], c["ranks"]
+    if kind == "chat":
+        flags = chat_workload(ranks, quick)
+        path = os.path.join(workdir, f"trace-chat-{ranks}ranks.jsonl")
+        with open(path, "w") as f:
+            f.write(replay(["synth", *flags]))
+        desc = f"`dp-replay synth {' '.join(flags)}`"
+    elif kind == "blocks":
+        path = os.path.join(workdir, f"trace-blocks-{ranks}ranks.jsonl")
+        block_trace(path, ranks)
+        desc = "block-id trace (`block_trace()` in this script: tenant prompts, shared documents, growing turns)"
+    else:
+        path, desc = kind, f"trace `{kind}`"
     oracle = json.loads(replay(["oracle", "--trace", path, "--block-tokens", str(BLOCK_TOKENS)]))
-    return path, oracle
+    return path, desc, oracle
 
 
 def cache_blocks(oracle, ranks, scale):
     """Per-rank cache capacity: the ranks together hold the workload's distinct blocks (everything
-    ever computed) once. A policy that keeps each prefix on one rank has room for it; one that
-    copies prefixes to several ranks evicts. BENCH_CACHE_BLOCKS overrides it (0 = unlimited)."""
+    ever computed) `scale` times. With scale 1 a policy that keeps each prefix on one rank has room
+    for it; one that copies prefixes to several ranks evicts. BENCH_CACHE_BLOCKS overrides it
+    (0 = unlimited; for exploring, not reported)."""
     if os.environ.get("BENCH_CACHE_BLOCKS"):
-        return int(os.environ["BENCH_CACHE_BLOCKS"])  # 0 = unlimited (for exploring, not reported)
+        return int(os.environ["BENCH_CACHE_BLOCKS"])
     distinct = max(1, (oracle["prompt_tokens"] - oracle["oracle_cached_tokens"]) // BLOCK_TOKENS)
     return max(64, int(distinct * scale) // ranks + 1)
 
 
-def run_policy(children, workdir, label, ranks, replicas, policy, trace, capacity):
-    name = f"{label.replace(' ', '').replace(',', '-')}-{policy}"
+def run_policy(children, workdir, c, name, trace, capacity):
+    ranks, spec = c["ranks"], POLICIES[name]
+    tag = f"{c['label'].replace(' ', '').replace(',', '-').replace('/', '')}-{name}"
     mock_args = ["--block-tokens", str(BLOCK_TOKENS), "--cache-blocks", str(capacity), *MOCK_MODEL]
     mocks, ports = [], []
     for r in range(ranks):
-        proc, port = bc.start_mock(children, ["--rank", str(r), *mock_args], os.path.join(workdir, f"{name}-rank{r}.log"))
+        proc, port = bc.start_mock(children, ["--rank", str(r), *mock_args], os.path.join(workdir, f"{tag}-rank{r}.log"))
         mocks.append(proc)
         ports.append(port)
-    assign = POLICIES[policy][1]
-    plugin = envoy_gen.filter_config(ranks, assign) if assign else None
+    plugin = envoy_gen.filter_config(ranks, spec["assign"], spec["prefix"]) if spec["assign"] else None
+    kind = "filter" if spec["assign"] else name
     envoys, targets = [], []
-    for i in range(replicas):
+    for i in range(c["replicas"]):
         listen, admin = bc.free_port(), bc.free_port()
-        text = envoy_gen.envoy_config(policy, ports, listen, admin, bc.WASM, plugin)
-        proc, admin = bc.start_envoy(children, text, workdir, f"{name}-envoy{i}")
+        text = envoy_gen.envoy_config(kind, ports, listen, admin, bc.WASM, plugin)
+        proc, admin = bc.start_envoy(children, text, workdir, f"{tag}-envoy{i}")
         envoys.append((proc, admin))
         targets += ["--target", f"http://127.0.0.1:{listen}"]
-    summary_path = os.path.join(workdir, f"{name}.summary.json")
+    summary_path = os.path.join(workdir, f"{tag}.summary.json")
     started = time.time()
     replay([
-        "run", "--trace", trace, *targets, "--key-mode", "header",
+        "run", "--trace", trace, *targets, "--key-mode", spec["keys"],
         "--key-header", envoy_gen.ROUTING_KEY_HEADER, "--dp-size", str(ranks),
         "--block-tokens", str(BLOCK_TOKENS), "--seed", "1",
-        "--out", os.path.join(workdir, f"{name}.requests.jsonl"), "--summary", summary_path,
+        "--out", os.path.join(workdir, f"{tag}.requests.jsonl"), "--summary", summary_path,
     ])
     with open(summary_path) as f:
         summary = json.load(f)
     summary["wall_s"] = time.time() - started
+    time.sleep(1.1)  # the filter flushes its counters once a second
     counters = {}
     for _, admin in envoys:
         for k, v in bc.filter_counters(admin).items():
@@ -153,12 +243,21 @@ def run_policy(children, workdir, label, ranks, replicas, policy, trace, capacit
     return summary
 
 
-def goal_met(row):
-    return row["hit_share"] is not None and row["hit_share"] >= 0.97 and row["max_mean_requests"] <= 1.15
+def goal_met(row, goal):
+    return (row["policy"].startswith("filter") and row["hit_share"] is not None
+            and row["hit_share"] >= goal[0] and row["max_mean_requests"] is not None
+            and row["max_mean_requests"] <= goal[1])
 
 
 def fmt(v, spec):
     return "—" if v is None else format(v, spec)
+
+
+def key_label(name):
+    spec = POLICIES[name]
+    if spec["assign"] is None:
+        return ""
+    return "session key" if spec["keys"] == "header" else "no key"
 
 
 def markdown(results, meta):
@@ -166,13 +265,13 @@ def markdown(results, meta):
         f"## Affinity comparison ({meta['mode']})",
         "",
         f"- date: {meta['date']}; machine: {meta['machine']}",
-        f"- Envoy: `{bc.ENVOY}`; wasm: `{bc.WASM}`",
         f"- mock engine: {BLOCK_TOKENS}-token blocks, `{' '.join(MOCK_MODEL)}`, per-rank cache as listed",
         f"- command: `{meta['command']}`; total {meta['total_s']:.0f} s; raw data in `{meta['workdir_rel']}`",
         "- hit rate = cached prompt tokens / prompt tokens over all requests (from the mocks' `usage`);",
         "  oracle = one unlimited cache shared by all requests (every prefix computed once: the upper",
         "  bound of any placement); session oracle = one unlimited cache per session.",
-        "- goal: hit rate ≥ 0.97 × oracle with max/mean requests per rank ≤ 1.15, in one configuration.",
+        "- goals: keyed, hit rate ≥ 0.97 × oracle with max/mean requests per rank ≤ 1.15; without any",
+        "  routing key (prefix index), ≥ 0.97 × oracle at max/mean ≤ 1.10. Marked on filter rows.",
         "",
     ]
     for cfg in results:
@@ -180,35 +279,38 @@ def markdown(results, meta):
         lines += [
             f"### {cfg['label']}",
             "",
-            f"Workload: `dp-replay synth {' '.join(cfg['workload'])}` — {o['requests']} requests, "
-            f"{o['prompt_tokens']} prompt tokens; oracle hit rate {o['oracle_hit_rate']:.3f}, "
-            f"session oracle {o['session_oracle_hit_rate']:.3f}; cache {cfg['cache_blocks']} blocks per rank.",
+            f"Workload: {cfg['workload_desc']} — {o['requests']} requests, "
+            f"{o['prompt_tokens']} prompt tokens; oracle hit rate {fmt(o['oracle_hit_rate'], '.3f')}, "
+            f"session oracle {fmt(o['session_oracle_hit_rate'], '.3f')}; cache {cfg['cache_blocks']} blocks per rank"
+            f"{'; ' + str(cfg['replicas']) + ' Envoy replicas, each request to one at random' if cfg['replicas'] > 1 else ''}.",
             "",
-            "| policy | token hit rate | ÷ oracle | max/mean req | max/mean tokens | TTFB p50 | TTFB p99 | total p50 | errors | goal |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | TTFB p50 | TTFB p99 | total p50 | errors | goal |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in cfg["rows"]:
             lines.append(
-                f"| {row['policy']} | {fmt(row['hit_rate'], '.3f')} | {fmt(row['hit_share'], '.3f')} "
+                f"| {row['policy']} | {key_label(row['policy'])} | {fmt(row['hit_rate'], '.3f')} | {fmt(row['hit_share'], '.3f')} "
                 f"| {fmt(row['max_mean_requests'], '.2f')} | {fmt(row['max_mean_tokens'], '.2f')} "
                 f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
                 f"| {fmt(row['total_p50_ms'], '.1f')} ms | {row['errors']} "
-                f"| {'**met**' if goal_met(row) else ''} |"
+                f"| {'**met**' if goal_met(row, cfg['goal']) else ''} |"
             )
         lines.append(
-            f"| oracle (offline) | {o['oracle_hit_rate']:.3f} | 1.000 | — | — | — | — | — | — | |"
+            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | |"
         )
         lines.append("")
     lines += ["Policies:", ""]
-    for name, (desc, _) in POLICIES.items():
-        lines.append(f"- `{name}`: {desc}")
+    used = {r["policy"] for cfg in results for r in cfg["rows"]}
+    for name, spec in POLICIES.items():
+        if name in used:
+            lines.append(f"- `{name}`: {spec['desc']}")
     lines.append("")
     return "\n".join(lines)
 
 
-def row_of(policy, summary, oracle):
+def row_of(name, summary, oracle):
     hit = summary.get("token_hit_rate")
-    o = oracle["oracle_hit_rate"] or 0
+    o = oracle.get("oracle_hit_rate") or 0
 
     def get(*path):
         v = summary
@@ -221,7 +323,7 @@ def row_of(policy, summary, oracle):
         return None if v is None else v / 1000.0
 
     return {
-        "policy": policy,
+        "policy": name,
         "hit_rate": hit,
         "hit_share": (hit / o) if (hit is not None and o > 0) else None,
         "max_mean_requests": get("requests_per_rank", "max_over_mean"),
@@ -237,8 +339,10 @@ def row_of(policy, summary, oracle):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="4 ranks, 3 policies, short workload")
+    ap.add_argument("--quick", action="store_true", help="4 ranks, a few policies, short workload")
     ap.add_argument("--check", action="store_true", help="smoke test: fail unless the filter beats round robin")
+    ap.add_argument("--suite", choices=["keyed", "prefix", "all"], default="all")
+    ap.add_argument("--trace", help="prefix suite: replay this JSONL trace instead of the built-in workloads")
     ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"), help="results folder")
     ap.add_argument("--policies", help="comma-separated subset of the policies to run")
     ap.add_argument("--ranks", type=int, help="run only the configurations with this many ranks")
@@ -250,47 +354,53 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     workdir = os.path.join(args.out, f"affinity-{stamp}")
     os.makedirs(workdir, exist_ok=True)
+    argv = " ".join(sys.argv[1:])
     meta = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if args.quick else f"suite {args.suite}",
         "date": stamp,
         "machine": bc.machine_line(),
-        "command": "scripts/bench-affinity.py" + (" --quick" if args.quick else ""),
+        "command": f"scripts/bench-affinity.py {argv}".strip(),
         "workdir_rel": os.path.relpath(workdir, bc.ROOT),
     }
     began = time.time()
-    results = []
+    results, traces = [], {}
     with bc.Children() as children:
-        traces = {}
-        for label, ranks, replicas, scale, policies in configurations(args.quick):
-            if args.ranks and ranks != args.ranks:
+        for c in configurations(args.suite, args.quick, args.trace):
+            if args.ranks and c["ranks"] != args.ranks:
                 continue
-            if args.policies:
-                policies = [p for p in policies if p in args.policies.split(",")]
-            if ranks not in traces:
-                bc.log(TAG, f"workload for {ranks} ranks: synth + oracle")
-                traces[ranks] = make_trace(workdir, ranks, args.quick)
-            trace, oracle = traces[ranks]
-            capacity = cache_blocks(oracle, ranks, scale)
-            cfg = {"label": label, "ranks": ranks, "replicas": replicas, "oracle": oracle,
-                   "workload": workload(ranks, args.quick), "cache_blocks": capacity, "rows": []}
-            for policy in policies:
-                bc.log(TAG, f"{label}: {policy}")
-                summary = run_policy(children, workdir, label, ranks, replicas, policy, trace, capacity)
-                row = row_of(policy, summary, oracle)
+            policies = [p for p in c["policies"] if not args.policies or p in args.policies.split(",")]
+            key = (c["workload"], c["ranks"])
+            if key not in traces:
+                bc.log(TAG, f"workload {c['workload']} for {c['ranks']} ranks: trace + oracle")
+                traces[key] = make_trace(workdir, c, args.quick)
+            trace, desc, oracle = traces[key]
+            capacity = cache_blocks(oracle, c["ranks"], c["scale"])
+            out = dict(c, oracle=oracle, workload_desc=desc, cache_blocks=capacity, rows=[])
+            for name in policies:
+                bc.log(TAG, f"{c['label']}: {name}")
+                summary = run_policy(children, workdir, c, name, trace, capacity)
+                row = row_of(name, summary, oracle)
                 bc.log(TAG, f"  hit rate {fmt(row['hit_rate'], '.3f')} (÷ oracle {fmt(row['hit_share'], '.3f')}), "
                        f"max/mean {fmt(row['max_mean_requests'], '.2f')}, errors {row['errors']}, "
                        f"{summary['wall_s']:.0f} s")
-                cfg["rows"].append(row)
-            results.append(cfg)
+                out["rows"].append(row)
+            results.append(out)
     meta["total_s"] = time.time() - began
+    write_outputs(args.out, stamp, results, meta)
+    if args.check:
+        sys.exit(check(results))
+
+
+def write_outputs(out_dir, stamp, results, meta):
     report = markdown(results, meta)
-    base = os.path.join(args.out, f"affinity-{stamp}")
+    base = os.path.join(out_dir, f"affinity-{stamp}")
     with open(base + ".md", "w") as f:
         f.write(report)
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "configurations": results}, f, indent=1)
     groups = [
-        (cfg["label"], [(r["policy"], r["hit_share"], r["max_mean_requests"], r["policy"].startswith("filter"))
+        (cfg["label"], [(f"{r['policy']}{' (' + key_label(r['policy']) + ')' if key_label(r['policy']) else ''}",
+                         r["hit_share"], r["max_mean_requests"], r["policy"].startswith("filter"))
                         for r in cfg["rows"]])
         for cfg in results
     ]
@@ -298,8 +408,6 @@ def main():
         f.write(report_svg.chart(groups, f"dp-affinity: hit rate and balance per policy ({meta['mode']})"))
     print(report)
     bc.log(TAG, f"report: {base}.md, chart: {base}.svg, total {meta['total_s']:.0f} s")
-    if args.check:
-        sys.exit(check(results))
 
 
 def check(results):

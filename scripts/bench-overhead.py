@@ -228,7 +228,7 @@ def main():
         bc.log(TAG, "installing wrk (apt-get)")
         subprocess.run("apt-get update -qq && apt-get install -y -qq wrk", shell=True, check=True,
                        stdout=sys.stderr)
-    sat_s, c1_s, rounds, warm = (2, 2, 1, 1) if args.quick else (4, 3, 2, 1)
+    sat_s, c1_s, rounds, warm = (2, 2, 1, 1) if args.quick else (3, 3, 2, 1)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     workdir = os.path.join(args.out, f"overhead-{stamp}")
     os.makedirs(workdir, exist_ok=True)
@@ -285,6 +285,20 @@ def median_of(results, size, key, load, field):
     return statistics.median(vals) if vals else None
 
 
+def noise_lines(results):
+    """How far plain Envoy's own rounds differ: above 15 % the run is flagged as noisy."""
+    out = []
+    for load, field, what in (("sat", "rps", "req/s"), ("c1", "p50_us", "p50")):
+        for size in ["header", *SIZES]:
+            vals = [r[field] for r in results if (r["size"], r["variant"], r["load"]) == (size, "A", load)]
+            if len(vals) < 2 or min(vals) <= 0:
+                continue
+            spread = max(vals) / min(vals) - 1
+            if spread > 0.15:
+                out.append(f"- **noisy**: plain Envoy's {what} ({load}, {size}) differs by {spread:.0%} between rounds")
+    return out or ["- plain Envoy's rounds agree within 15 % (req/s and p50, every request kind)"]
+
+
 NAMES = {"A": "plain Envoy", "N": "no-op wasm filter", "B": "dp_affinity", "H": "Envoy native hash"}
 
 
@@ -318,6 +332,7 @@ def markdown(results, counters, meta):
                 f"| {size} | {key} {NAMES[key]} | {rps:.0f} | {rps / base['rps']:.2f} | {p50:.0f} µs | {ratio:.2f} "
                 f"| {p50 - base['p50_us']:+.0f} µs | {p99:.0f} µs | {p99 / base['p99_us']:.2f} | {cpu:.1f} µs | {goal} |"
             )
+    lines += [""] + noise_lines(results)
     lines += ["", "Filter counters over the whole run (B): " + ", ".join(
         f"{k} {v}" for k, v in sorted(counters.items()) if v), ""]
     return "\n".join(lines)
