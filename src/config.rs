@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::assign::{Bound, Mode};
 use crate::hash::KeyedHasher;
+use crate::prefix::{PrefixConfig, PrefixHasher};
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
 /// the filter precompute millions of cluster names.
@@ -31,6 +32,7 @@ struct RawConfig {
     learn: RawLearn,
     echo_header: Option<String>,
     table: RawTable,
+    prefix: RawPrefix,
 }
 
 #[derive(Debug)]
@@ -188,6 +190,30 @@ impl Default for RawTable {
     }
 }
 
+/// `prefix`: the scalar knobs in a `PrefixConfig` (its `table` is ignored here), the index table
+/// in `table`. Defaults come from `PrefixConfig::default()`, where they are written once.
+#[derive(Debug)]
+struct RawPrefix {
+    knobs: PrefixConfig,
+    table: RawTable,
+}
+
+impl Default for RawPrefix {
+    fn default() -> Self {
+        let knobs = PrefixConfig::default();
+        let t = &knobs.table;
+        let table = RawTable {
+            buckets: t.buckets,
+            ways: t.ways,
+            ttl_seconds: t.ttl_seconds,
+            refresh_seconds: t.refresh_seconds,
+            cas_retries: t.cas_retries,
+            namespace: t.namespace.clone(),
+        };
+        RawPrefix { knobs, table }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reading the JSON into the raw shape. Hand-written rather than serde-derived: every error names
 // the full field path ("table.ways") and the expected type, and the .wasm stays ~50 KB smaller
@@ -206,6 +232,7 @@ fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
         "learn",
         "echo_header",
         "table",
+        "prefix",
     ];
     fields("", v, &top, |name, path, v| {
         match name {
@@ -217,6 +244,7 @@ fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
             "target" => read_target(path, v, &mut raw.target)?,
             "learn" => read_learn(path, v, &mut raw.learn)?,
             "echo_header" => raw.echo_header = Some(as_string(path, v)?),
+            "prefix" => read_prefix(path, v, &mut raw.prefix)?,
             _ => read_table(path, v, &mut raw.table)?,
         }
         Ok(())
@@ -364,6 +392,31 @@ fn read_table(path: &str, v: &Value, r: &mut RawTable) -> Result<(), ConfigError
     })
 }
 
+fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigError> {
+    let names = [
+        "enabled",
+        "block_bytes",
+        "block_tokens",
+        "max_blocks",
+        "min_match_blocks",
+        "grid_bits",
+        "table",
+    ];
+    fields(path, v, &names, |name, path, v| {
+        let k = &mut r.knobs;
+        match name {
+            "enabled" => k.enabled = as_bool(path, v)?,
+            "block_bytes" => k.block_bytes = as_u32(path, v)?,
+            "block_tokens" => k.block_tokens = as_u32(path, v)?,
+            "max_blocks" => k.max_blocks = as_u32(path, v)?,
+            "min_match_blocks" => k.min_match_blocks = as_u32(path, v)?,
+            "grid_bits" => k.grid_bits = as_u32(path, v)?,
+            _ => read_table(path, v, &mut r.table)?,
+        }
+        Ok(())
+    })
+}
+
 /// Calls `f(name, full_path, value)` for every member of the object at `path`, after checking
 /// that `v` is an object and every name is one of `allowed`.
 fn fields(
@@ -500,6 +553,11 @@ pub struct Config {
     /// Response header echoing the rank that served (lower-case); `None` = off.
     pub echo_header: Option<String>,
     pub table: TableConfig,
+    /// Prefix placement (`prefix`), validated; `prefix.table` is the index's geometry.
+    pub prefix: PrefixConfig,
+    /// The prompt-chain hasher, keyed from `routing_key.hash_seed` (domain-separated from key
+    /// hashes), built once here.
+    pub prefix_hasher: PrefixHasher,
 }
 
 /// How the chosen rank reaches the engine.
@@ -643,6 +701,9 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         ));
     }
     let explicit = compile_explicit(raw.explicit_rank)?;
+    // The prompt-chain keys derive from the routing-key seed: one secret to set, and changing it
+    // forgets pins and indexed prefixes alike.
+    let prefix_hasher = PrefixHasher::new(raw.routing_key.hash_seed.as_bytes());
     let key = compile_key(raw.routing_key)?;
     let assign = compile_assign(raw.assign)?;
     let body = compile_body(raw.body, &explicit, &key, &assign)?;
@@ -650,7 +711,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let learn = compile_learn(raw.learn, dp_size)?;
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
-    let table = compile_table(raw.table)?;
+    let table = compile_table("table", raw.table)?;
+    let prefix = compile_prefix(raw.prefix, &table)?;
     Ok(Config {
         dp_size,
         assign,
@@ -663,6 +725,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         learn,
         echo_header,
         table,
+        prefix,
+        prefix_hasher,
     })
 }
 
@@ -857,22 +921,23 @@ fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError
     })
 }
 
-fn compile_table(raw: RawTable) -> Result<TableConfig, ConfigError> {
+fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> {
+    let field = |name: &str| format!("{path}.{name}");
     if raw.buckets == 0 || raw.buckets > 1 << 24 {
-        return Err(err("table.buckets", "must be in 1..=16777216"));
+        return Err(err(&field("buckets"), "must be in 1..=16777216"));
     }
     if raw.ways == 0 || raw.ways > 64 {
-        return Err(err("table.ways", "must be in 1..=64"));
+        return Err(err(&field("ways"), "must be in 1..=64"));
     }
     if raw.ttl_seconds == 0 {
-        return Err(err("table.ttl_seconds", "must be at least 1"));
+        return Err(err(&field("ttl_seconds"), "must be at least 1"));
     }
     if raw.cas_retries > 100 {
-        return Err(err("table.cas_retries", "must be in 0..=100"));
+        return Err(err(&field("cas_retries"), "must be in 0..=100"));
     }
     if raw.namespace.is_empty() || !raw.namespace.bytes().all(|c| c.is_ascii_graphic()) {
         return Err(err(
-            "table.namespace",
+            &field("namespace"),
             "must be non-empty printable ASCII without spaces",
         ));
     }
@@ -884,6 +949,23 @@ fn compile_table(raw: RawTable) -> Result<TableConfig, ConfigError> {
         cas_retries: raw.cas_retries,
         namespace: raw.namespace,
     })
+}
+
+/// Checks `prefix` (whether or not it is enabled: a typo is caught before someone turns it on).
+fn compile_prefix(raw: RawPrefix, affinity: &TableConfig) -> Result<PrefixConfig, ConfigError> {
+    raw.knobs.validate()?;
+    let table = compile_table("prefix.table", raw.table)?;
+    if table.namespace == affinity.namespace {
+        // Same namespace and bucket count would file both tables under the same keys.
+        return Err(err(
+            "prefix.table.namespace",
+            format!(
+                "must differ from table.namespace ({:?})",
+                affinity.namespace
+            ),
+        ));
+    }
+    Ok(PrefixConfig { table, ..raw.knobs })
 }
 
 /// Lower-cases and checks a required header name (RFC 9110 token characters).
@@ -965,6 +1047,156 @@ mod tests {
         assert_eq!(c.assign.new_key_bound.floor, 8);
         assert_eq!(c.assign.cooldown_seconds, 10);
         assert_eq!(c.target, TargetMode::Cluster);
+    }
+
+    #[test]
+    fn prefix_defaults_and_values() {
+        let c = parse(r#"{"dp_size": 4}"#).unwrap();
+        let p = &c.prefix;
+        assert!(!p.enabled);
+        assert_eq!(
+            (
+                p.block_bytes,
+                p.block_tokens,
+                p.max_blocks,
+                p.min_match_blocks,
+                p.grid_bits
+            ),
+            (512, 64, 128, 1, 2)
+        );
+        assert_eq!((p.table.buckets, p.table.ways), (65_536, 16));
+        assert_eq!(
+            (
+                p.table.ttl_seconds,
+                p.table.refresh_seconds,
+                p.table.cas_retries
+            ),
+            (3600, 1, 8)
+        );
+        assert_eq!(p.table.namespace, "dp_affinity_prefix");
+
+        let c = parse(
+            r#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":256,"block_tokens":32,
+                "max_blocks":64,"min_match_blocks":2,"grid_bits":3,
+                "table":{"buckets":1024,"ways":8,"ttl_seconds":600,"refresh_seconds":5,
+                         "cas_retries":3,"namespace":"px"}}}"#,
+        )
+        .unwrap();
+        let p = &c.prefix;
+        assert!(p.enabled);
+        assert_eq!(
+            (
+                p.block_bytes,
+                p.block_tokens,
+                p.max_blocks,
+                p.min_match_blocks,
+                p.grid_bits
+            ),
+            (256, 32, 64, 2, 3)
+        );
+        assert_eq!(
+            (
+                p.table.buckets,
+                p.table.ways,
+                p.table.ttl_seconds,
+                p.table.refresh_seconds,
+                p.table.cas_retries,
+                p.table.namespace.as_str()
+            ),
+            (1024, 8, 600, 5, 3, "px")
+        );
+        // Only the prefix section changed: the affinity table keeps its defaults.
+        assert_eq!(
+            (c.table.buckets, c.table.namespace.as_str()),
+            (65_536, "dp_affinity")
+        );
+    }
+
+    #[test]
+    fn prefix_hasher_follows_the_routing_key_seed() {
+        use crate::prefix::{prompt_chain, Api};
+        let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(1024));
+        let chain = |json: &str| {
+            let c = parse(json).unwrap();
+            prompt_chain(
+                body.as_bytes(),
+                Api::Completions,
+                &c.prefix,
+                &c.prefix_hasher,
+            )
+            .unwrap()
+        };
+        let a = chain(r#"{"dp_size":4}"#);
+        assert_eq!(a.len(), 2);
+        assert_eq!(a, chain(r#"{"dp_size":4,"table":{"buckets":8}}"#));
+        assert_ne!(a, chain(r#"{"dp_size":4,"routing_key":{"hash_seed":"s"}}"#));
+    }
+
+    #[test]
+    fn bad_prefix_values_name_their_field() {
+        let cases = [
+            (r#"{"prefix":1}"#, "prefix: expected an object"),
+            (r#"{"prefix":{"enabled":"yes"}}"#, "prefix.enabled"),
+            (r#"{"prefix":{"bogus":1}}"#, "prefix.bogus: unknown field"),
+            (r#"{"prefix":{"block_bytes":8}}"#, "prefix.block_bytes"),
+            (r#"{"prefix":{"block_bytes":65537}}"#, "prefix.block_bytes"),
+            (r#"{"prefix":{"block_bytes":-1}}"#, "prefix.block_bytes"),
+            (r#"{"prefix":{"block_tokens":0}}"#, "prefix.block_tokens"),
+            (
+                r#"{"prefix":{"block_tokens":16385}}"#,
+                "prefix.block_tokens",
+            ),
+            (r#"{"prefix":{"max_blocks":0}}"#, "prefix.max_blocks"),
+            (r#"{"prefix":{"max_blocks":4097}}"#, "prefix.max_blocks"),
+            (
+                r#"{"prefix":{"min_match_blocks":0}}"#,
+                "prefix.min_match_blocks",
+            ),
+            (
+                r#"{"prefix":{"max_blocks":8,"min_match_blocks":9}}"#,
+                "prefix.min_match_blocks",
+            ),
+            (r#"{"prefix":{"grid_bits":0}}"#, "prefix.grid_bits"),
+            (r#"{"prefix":{"grid_bits":9}}"#, "prefix.grid_bits"),
+            (r#"{"prefix":{"grid_bits":1.5}}"#, "prefix.grid_bits"),
+            (
+                r#"{"prefix":{"table":[]}}"#,
+                "prefix.table: expected an object",
+            ),
+            (
+                r#"{"prefix":{"table":{"buckets":0}}}"#,
+                "prefix.table.buckets",
+            ),
+            (r#"{"prefix":{"table":{"ways":65}}}"#, "prefix.table.ways"),
+            (
+                r#"{"prefix":{"table":{"ttl_seconds":0}}}"#,
+                "prefix.table.ttl_seconds",
+            ),
+            (
+                r#"{"prefix":{"table":{"cas_retries":101}}}"#,
+                "prefix.table.cas_retries",
+            ),
+            (
+                r#"{"prefix":{"table":{"namespace":""}}}"#,
+                "prefix.table.namespace",
+            ),
+            (
+                r#"{"prefix":{"table":{"namespace":"dp_affinity"}}}"#,
+                "prefix.table.namespace: must differ from table.namespace",
+            ),
+            (
+                r#"{"table":{"namespace":"t"},"prefix":{"table":{"namespace":"t"}}}"#,
+                "prefix.table.namespace",
+            ),
+            (r#"{"prefix":{"table":{"size":1}}}"#, "prefix.table.size"),
+        ];
+        for (section, needle) in cases {
+            // Checked whether or not the feature is on.
+            let json = format!(r#"{{"dp_size":4,{}"#, &section[1..]);
+            let e = parse(&json).expect_err(&json);
+            let text = e.to_string();
+            assert!(text.contains(needle), "{json}: {text}");
+        }
     }
 
     #[test]

@@ -1,11 +1,14 @@
-//! The decision order, as values: explicit rank, then routing key, then the fallback.
+//! The decision order, as values: explicit rank, then the routing key's pin, then the prompt
+//! prefix (when `prefix.enabled`), then the assigner or Envoy's balancing.
 //!
-//! The host layer feeds facts in and turns the returned `Decision` into header changes and local
-//! replies; nothing here performs an action.
+//! The host layer feeds facts in and turns the returned `Decision` / [`Placement`] into header
+//! changes and local replies; nothing here performs an action.
 
-use crate::assign::{room_rank, Mode};
+use crate::assign::{keep_pin, room_rank, Mode};
 use crate::config::{Config, OnInvalid};
-use crate::extract::{rank_from_header, scan_body, HeaderFacts, RankError};
+use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
+use crate::prefix::{Api, Chain, Match};
+use crate::ranks::RankStates;
 use crate::table::{AffinityTable, Lookup, Store};
 
 /// Why a request was left to the fallback. Each maps to one counter.
@@ -50,7 +53,10 @@ pub enum HeaderStep {
 
 /// Decides from the headers alone when possible.
 ///
-/// A routing-key header settles the request here: requests carrying one are never buffered, so a
+/// A routing-key header settles the request here, unless the body is needed anyway: in
+/// `bootstrap_room` mode (the room outranks a key) and when prefix placement reads this request's
+/// prompt (`HeaderFacts::prefix_api`: the prefix is recorded under the key's rank, and decides
+/// when the key is not pinned). Otherwise requests carrying a key header are never buffered, so a
 /// body rank field is not consulted for them (send the rank as a header in that case).
 pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) -> HeaderStep {
     if cfg.explicit.enabled && h.trusted {
@@ -72,16 +78,17 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
             }
         }
     }
-    // In bootstrap_room mode the room (a body field) outranks a key header: read the body.
     let room_mode = cfg.assign.mode == Mode::BootstrapRoom;
-    if let Some((_, key)) = h.key.filter(|_| !room_mode) {
+    let prefix = h.prefix_api(cfg).is_some();
+    if let Some((_, key)) = h.key.filter(|_| !room_mode && !prefix) {
         return HeaderStep::Decided(key_decision(cfg, key));
     }
     let header_key = || match h.key {
         Some((_, key)) => key_decision(cfg, key),
         None => Decision::Fallback(Reason::NoKey),
     };
-    if end_of_stream || cfg.body.wanted_fields.is_empty() || !h.is_json(cfg) {
+    let wants_body = prefix || !cfg.body.wanted_fields.is_empty();
+    if end_of_stream || !wants_body || !h.is_json(cfg) {
         return HeaderStep::Decided(header_key());
     }
     if h.declared_length()
@@ -96,36 +103,56 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
 }
 
 /// Decides from a complete JSON body (only called after `ReadBody`). `header_key` is a key that
-/// came in a header (only possible in `bootstrap_room` mode, where the body is read anyway): it
-/// beats any body key. `trusted`: the caller may choose a rank (see `HeaderFacts::trusted`).
+/// came in a header (in `bootstrap_room` mode, or with prefix placement on, where the body is
+/// read anyway): it beats any body key. `trusted`: the caller may choose a rank (see
+/// `HeaderFacts::trusted`).
 pub fn decide_body(
     cfg: &Config,
     body: &[u8],
     header_key: Option<&[u8]>,
     trusted: bool,
 ) -> Decision {
-    let without_body = |reason| without_body(cfg, reason, header_key);
+    decide_body_with_prefix(cfg, body, header_key, trusted, None).0
+}
+
+/// [`decide_body`] that also hashes the prompt of `api` (`HeaderFacts::prefix_api`) in the same
+/// pass over the body. The chain comes back only with the decisions that use it (a key, or no
+/// key); an explicit rank, a room, a rejection, or a body that could not be read (too large,
+/// malformed) give an empty chain.
+pub fn decide_body_with_prefix(
+    cfg: &Config,
+    body: &[u8],
+    header_key: Option<&[u8]>,
+    trusted: bool,
+    api: Option<Api>,
+) -> (Decision, Chain) {
+    let without_body = |reason| (without_body(cfg, reason, header_key), Chain::default());
     if body.len() > cfg.body.max_bytes {
         return without_body(Reason::BodyTooLarge);
     }
-    let facts = match scan_body(cfg, body) {
+    let api = api.filter(|_| cfg.prefix.enabled);
+    let (facts, chain) = match scan_body_and_prompt(cfg, body, api) {
         Ok(f) => f,
         Err(_) => return without_body(Reason::BodyMalformed),
     };
     match facts.rank.filter(|_| trusted) {
-        Some(Ok(rank)) => return Decision::Rank(rank),
+        Some(Ok(rank)) => return (Decision::Rank(rank), Chain::default()),
         Some(Err(e)) if cfg.explicit.on_invalid == OnInvalid::Reject => {
-            return Decision::Reject(reject(cfg, &e));
+            return (Decision::Reject(reject(cfg, &e)), Chain::default());
         }
         _ => {}
     }
     if let Some(room) = facts.room {
-        return Decision::Room(room_rank(room, cfg.dp_size));
+        return (
+            Decision::Room(room_rank(room, cfg.dp_size)),
+            Chain::default(),
+        );
     }
-    match header_key.or(facts.key.as_deref()) {
+    let decision = match header_key.or(facts.key.as_deref()) {
         Some(key) => key_decision(cfg, key),
         None => Decision::Fallback(Reason::NoKey),
-    }
+    };
+    (decision, chain)
 }
 
 /// The decision when the body cannot be used (`reason`): a header key if there was one.
@@ -156,6 +183,105 @@ pub fn resolve_key(
         Lookup::Hit { rank } => (Some(rank), false),
         Lookup::Miss => (None, false),
         Lookup::Undecodable => (None, true),
+    }
+}
+
+/// What the prefix stage made of a request the explicit rank and the key's pin left open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixChoice {
+    /// Route to the rank holding the longest indexed prefix (`blocks` blocks of it).
+    Hit { rank: u32, blocks: usize },
+    /// No indexed prefix of at least `prefix.min_match_blocks` blocks: the next choice decides.
+    Miss,
+    /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound
+    /// (`assign.load_factor`, `assign.min_capacity`) or cooling down: the next choice decides.
+    SkippedFull { rank: u32, blocks: usize },
+}
+
+/// The prefix stage on a lookup's result. `states`: the shared rank state when the filter counts
+/// requests in flight (every `assign.mode` but `envoy`); `None` in `envoy` mode, where there are
+/// no in-flight counts, so a match is never full (Envoy's balancer only sees the requests that
+/// reach it without a cluster header).
+///
+/// The bound is the one new keys get (`assign.load_factor`), not the looser bound of a pinned
+/// key: a prefix match is a guess that the rank's cache holds the prompt's start, often shared by
+/// many conversations (one system prompt), and piling all of them onto one rank is what the
+/// tighter bound prevents.
+pub fn prefix_choice(
+    cfg: &Config,
+    m: &Match,
+    states: Option<&RankStates>,
+    now: u32,
+) -> PrefixChoice {
+    let min = cfg.prefix.min_match_blocks.max(1) as usize;
+    let rank = match m.rank {
+        Some(rank) if m.blocks >= min && rank < cfg.dp_size => rank,
+        _ => return PrefixChoice::Miss,
+    };
+    let blocks = m.blocks;
+    match states {
+        Some(st) if !keep_pin(st, now, rank, cfg.assign.new_key_bound) => {
+            PrefixChoice::SkippedFull { rank, blocks }
+        }
+        _ => PrefixChoice::Hit { rank, blocks },
+    }
+}
+
+/// Where a request goes once no explicit rank or room decided it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    /// The key's pin holds (usable and under `assign.pinned_load_factor` when load is counted).
+    Pin(u32),
+    /// The rank of the longest indexed prompt prefix.
+    Prefix { rank: u32, blocks: usize },
+    /// The assigner's choice; `None`: Envoy balances (`envoy` mode, or no usable rank).
+    Assigned(Option<u32>),
+}
+
+/// A placement, and what the prefix stage said if it was consulted (`None`: a pin decided first,
+/// or the request has no prompt chain).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub placed: Placed,
+    pub prefix: Option<PrefixChoice>,
+}
+
+/// The decision order below the explicit rank: the key's pin (`pinned`, from the affinity
+/// table), then the prefix match (`prefix`: the index lookup of this request's chain, `None`
+/// when it has none), then `assign` (the configured assigner; it returns `None` in `envoy` mode).
+/// `states` as in [`prefix_choice`]; with states, a pin is kept only while its rank is usable and
+/// under the pinned bound, else the key moves to the next choice.
+///
+/// Pure: the host calls it inside the rank board's atomic update (so the choice and the
+/// in-flight count agree), or directly in `envoy` mode.
+pub fn place(
+    cfg: &Config,
+    now: u32,
+    pinned: Option<u32>,
+    prefix: Option<&Match>,
+    states: Option<&RankStates>,
+    assign: impl FnOnce() -> Option<u32>,
+) -> Placement {
+    if let Some(rank) = pinned {
+        let kept = match states {
+            Some(st) => keep_pin(st, now, rank, cfg.assign.pinned_bound),
+            None => true,
+        };
+        if kept {
+            return Placement {
+                placed: Placed::Pin(rank),
+                prefix: None,
+            };
+        }
+    }
+    let choice = prefix.map(|m| prefix_choice(cfg, m, states, now));
+    let placed = match choice {
+        Some(PrefixChoice::Hit { rank, blocks }) => Placed::Prefix { rank, blocks },
+        _ => Placed::Assigned(assign()),
+    };
+    Placement {
+        placed,
+        prefix: choice,
     }
 }
 
@@ -433,5 +559,302 @@ mod tests {
         assert_eq!(resolve_key(&c, &t, &s, h, 101), (Some(2), false));
         s.raw_set(&t.bucket_key(t.bucket_of(h)), vec![1, 2, 3]);
         assert_eq!(resolve_key(&c, &t, &s, h, 101), (None, true));
+    }
+
+    // ---------------------------------------------------------------- prefix placement
+
+    use crate::prefix::{prompt_chain, PrefixIndex};
+    use crate::ranks::RankLoad;
+
+    const PREFIX_ON: &str = r#","prefix":{"enabled":true,"block_bytes":64}"#;
+
+    const CHAT_PATH: (&str, &str) = (":path", "/v1/chat/completions");
+
+    fn states(loads: &[(u32, u32)]) -> RankStates {
+        RankStates {
+            ranks: loads
+                .iter()
+                .map(|&(inflight, down_until)| RankLoad {
+                    inflight,
+                    down_until,
+                })
+                .collect(),
+        }
+    }
+
+    fn matched(blocks: usize, rank: u32) -> Match {
+        Match {
+            blocks,
+            rank: Some(rank),
+            ..Match::default()
+        }
+    }
+
+    fn system_chat(system: &str, user: &str) -> String {
+        serde_json::json!({"model":"m","messages":[
+            {"role":"system","content":system},{"role":"user","content":user}]})
+        .to_string()
+    }
+
+    #[test]
+    fn prefix_reads_the_body_of_llm_requests_even_with_a_key_header() {
+        let on = cfg(PREFIX_ON);
+        let keyed = headers(&on, &[JSON, CHAT_PATH, ("x-routing-key", "k")]);
+        assert_eq!(decide_headers(&on, &keyed, false), HeaderStep::ReadBody);
+        // Not an LLM path, prefix off, no JSON, or no body: the key header decides as before.
+        let models = headers(
+            &on,
+            &[JSON, (":path", "/v1/models"), ("x-routing-key", "k")],
+        );
+        assert!(matches!(
+            decide_headers(&on, &models, false),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+        let off = cfg("");
+        let keyed_off = headers(&off, &[JSON, CHAT_PATH, ("x-routing-key", "k")]);
+        assert!(matches!(
+            decide_headers(&off, &keyed_off, false),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+        let text = headers(&on, &[("content-type", "text/plain"), CHAT_PATH]);
+        assert_eq!(
+            decide_headers(&on, &text, false),
+            HeaderStep::Decided(Decision::Fallback(Reason::NoKey))
+        );
+        assert!(matches!(
+            decide_headers(&on, &keyed, true),
+            HeaderStep::Decided(Decision::Key { .. })
+        ));
+        // Without any body field configured, the prompt alone is reason to read the body.
+        let no_fields = cfg(&format!(
+            r#","explicit_rank":{{"body_fields":[]}},"routing_key":{{"body_fields":[]}}{PREFIX_ON}"#
+        ));
+        let h = headers(&no_fields, &[JSON, (":path", "/generate")]);
+        assert_eq!(decide_headers(&no_fields, &h, false), HeaderStep::ReadBody);
+        // A declared length over the limit is not read, as before.
+        let big = headers(&on, &[JSON, CHAT_PATH, ("content-length", "8388609")]);
+        assert_eq!(
+            decide_headers(&on, &big, false),
+            HeaderStep::Decided(Decision::Fallback(Reason::BodyTooLarge))
+        );
+        // An explicit rank header still decides at once.
+        let explicit = headers(&on, &[JSON, CHAT_PATH, ("x-data-parallel-rank", "3")]);
+        assert_eq!(
+            decide_headers(&on, &explicit, false),
+            HeaderStep::Decided(Decision::Rank(3))
+        );
+    }
+
+    #[test]
+    fn body_decision_and_chain_in_one_pass() {
+        let c = cfg(PREFIX_ON);
+        let body = system_chat(&"You are a careful assistant. ".repeat(20), "hi");
+        let want = prompt_chain(body.as_bytes(), Api::Chat, &c.prefix, &c.prefix_hasher).unwrap();
+        assert!(want.len() >= 9, "{}", want.len());
+        let (d, chain) = decide_body_with_prefix(&c, body.as_bytes(), None, true, Some(Api::Chat));
+        assert_eq!(d, Decision::Fallback(Reason::NoKey));
+        assert_eq!(chain, want);
+        // A header key: the key decides, the chain rides along for recording.
+        let (d, chain) =
+            decide_body_with_prefix(&c, body.as_bytes(), Some(b"k"), true, Some(Api::Chat));
+        assert!(matches!(d, Decision::Key { .. }));
+        assert_eq!(chain, want);
+        // No API (not an LLM path) or prefix off: no chain, same decision.
+        let (d, chain) = decide_body_with_prefix(&c, body.as_bytes(), None, true, None);
+        assert_eq!((d, chain.len()), (Decision::Fallback(Reason::NoKey), 0));
+        let off = cfg("");
+        let (_, chain) =
+            decide_body_with_prefix(&off, body.as_bytes(), None, true, Some(Api::Chat));
+        assert!(chain.is_empty());
+        // Explicit rank (even with a header key, once the body is read), room, rejection,
+        // malformed and oversized bodies: no chain.
+        let ranked = body.replacen('{', r#"{"routed_dp_rank":1,"#, 1);
+        assert_eq!(
+            decide_body_with_prefix(&c, ranked.as_bytes(), Some(b"k"), true, Some(Api::Chat)),
+            (Decision::Rank(1), Chain::default())
+        );
+        let bad = body.replacen('{', r#"{"routed_dp_rank":9,"#, 1);
+        let (d, chain) = decide_body_with_prefix(&c, bad.as_bytes(), None, true, Some(Api::Chat));
+        assert!(matches!(d, Decision::Reject(_)) && chain.is_empty());
+        let cut = &body.as_bytes()[..body.len() - 1];
+        assert_eq!(
+            decide_body_with_prefix(&c, cut, None, true, Some(Api::Chat)),
+            (Decision::Fallback(Reason::BodyMalformed), Chain::default())
+        );
+        let small = cfg(&format!(r#","body":{{"max_bytes":100}}{PREFIX_ON}"#));
+        assert_eq!(
+            decide_body_with_prefix(&small, body.as_bytes(), None, true, Some(Api::Chat)),
+            (Decision::Fallback(Reason::BodyTooLarge), Chain::default())
+        );
+        // decide_body is the same decision.
+        assert_eq!(
+            decide_body(&c, body.as_bytes(), None, true),
+            Decision::Fallback(Reason::NoKey)
+        );
+    }
+
+    #[test]
+    fn prefix_choice_rules() {
+        let c =
+            cfg(r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"min_match_blocks":2}"#);
+        let idle = states(&[(0, 0); 4]);
+        assert_eq!(
+            prefix_choice(&c, &Match::default(), Some(&idle), 0),
+            PrefixChoice::Miss
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(1, 2), Some(&idle), 0),
+            PrefixChoice::Miss,
+            "shorter than min_match_blocks"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(2, 7), Some(&idle), 0),
+            PrefixChoice::Miss,
+            "rank out of range"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&idle), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // Rank 2 holds 3 of 4 in flight: capacity ceil(1.25 × 5 / 4) = 2 → full.
+        let busy = states(&[(1, 0), (0, 0), (3, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&busy), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 }
+        );
+        // Cooling down counts as full; envoy mode (no states) never is.
+        let down = states(&[(0, 0), (0, 0), (0, 50), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&down), 10),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&down), 50),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), None, 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // The default floor (min_capacity 8) keeps a quiet rank usable.
+        let floored = cfg(r#","assign":{"mode":"hash"}"#);
+        assert_eq!(
+            prefix_choice(&floored, &matched(8, 2), Some(&busy), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+    }
+
+    #[test]
+    fn placement_order_pin_then_prefix_then_assigner() {
+        let c = cfg(r#","assign":{"mode":"hash","min_capacity":1}"#);
+        let idle = states(&[(0, 0); 4]);
+        let m = matched(16, 3);
+        let never = || -> Option<u32> { panic!("the assigner must not run") };
+        // A kept pin wins; the prefix is not even consulted.
+        assert_eq!(
+            place(&c, 0, Some(1), Some(&m), Some(&idle), never),
+            Placement {
+                placed: Placed::Pin(1),
+                prefix: None
+            }
+        );
+        // No pin: the prefix.
+        assert_eq!(
+            place(&c, 0, None, Some(&m), Some(&idle), never),
+            Placement {
+                placed: Placed::Prefix {
+                    rank: 3,
+                    blocks: 16
+                },
+                prefix: Some(PrefixChoice::Hit {
+                    rank: 3,
+                    blocks: 16
+                })
+            }
+        );
+        // A pin over the pinned bound (rank 1: 9 of 9 in flight) moves to the prefix's rank.
+        let pin_busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
+        assert_eq!(
+            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), never).placed,
+            Placed::Prefix {
+                rank: 3,
+                blocks: 16
+            }
+        );
+        // The prefix's rank full: the assigner decides, and the skip is reported.
+        let prefix_busy = states(&[(0, 0), (0, 0), (0, 0), (5, 0)]);
+        assert_eq!(
+            place(&c, 0, None, Some(&m), Some(&prefix_busy), || Some(0)),
+            Placement {
+                placed: Placed::Assigned(Some(0)),
+                prefix: Some(PrefixChoice::SkippedFull {
+                    rank: 3,
+                    blocks: 16
+                })
+            }
+        );
+        // No match, or no chain at all (not consulted).
+        assert_eq!(
+            place(&c, 0, None, Some(&Match::default()), Some(&idle), || Some(
+                2
+            )),
+            Placement {
+                placed: Placed::Assigned(Some(2)),
+                prefix: Some(PrefixChoice::Miss)
+            }
+        );
+        assert_eq!(
+            place(&c, 0, None, None, Some(&idle), || None),
+            Placement {
+                placed: Placed::Assigned(None),
+                prefix: None
+            }
+        );
+        // Envoy mode: no states, a pin always holds, a match always routes.
+        let envoy = cfg("");
+        assert_eq!(
+            place(&envoy, 0, Some(0), Some(&m), None, never).placed,
+            Placed::Pin(0)
+        );
+        assert_eq!(
+            place(&envoy, 0, None, Some(&m), None, never).placed,
+            Placed::Prefix {
+                rank: 3,
+                blocks: 16
+            }
+        );
+    }
+
+    #[test]
+    fn keyless_requests_sharing_a_system_prompt_follow_the_first() {
+        let c = cfg(PREFIX_ON);
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&c.prefix));
+        idx.table().ensure_buckets(&s);
+        let system = "You are the support bot of a large company. Be brief. ".repeat(100);
+        let chain_of = |user: &str| {
+            let body = system_chat(&system, user);
+            let (d, chain) =
+                decide_body_with_prefix(&c, body.as_bytes(), None, true, Some(Api::Chat));
+            assert_eq!(d, Decision::Fallback(Reason::NoKey));
+            chain
+        };
+        // First request: nothing indexed; Envoy (or the assigner) places it on rank 2, then it
+        // is recorded under rank 2.
+        let first = chain_of("How do I reset my password?");
+        let m = idx.longest_match(&s, first.hashes(), 100, c.dp_size);
+        let p = place(&c, 100, None, Some(&m), None, || None);
+        assert_eq!(p.prefix, Some(PrefixChoice::Miss));
+        idx.record(&s, first.hashes(), 2, 100, &m);
+        // Another user message after the same system prompt: the prefix sends it to rank 2.
+        let second = chain_of("Where is my invoice?");
+        let m = idx.longest_match(&s, second.hashes(), 101, c.dp_size);
+        assert!(m.blocks * 64 >= system.len() * 2 / 3, "{} blocks", m.blocks);
+        let p = place(&c, 101, None, Some(&m), None, || None);
+        assert!(matches!(p.placed, Placed::Prefix { rank: 2, .. }), "{p:?}");
+        // An unrelated prompt shares nothing.
+        let body = system_chat(&"Translate to French. ".repeat(200), "Hello");
+        let (_, other) = decide_body_with_prefix(&c, body.as_bytes(), None, true, Some(Api::Chat));
+        let m = idx.longest_match(&s, other.hashes(), 101, c.dp_size);
+        assert_eq!(m.rank, None);
     }
 }

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use crate::config::Config;
 use crate::json_scan::{scan_top_level, ScanError, Value};
+use crate::prefix::{scan_prompt, Api, Chain};
 
 /// Where an explicit rank came from, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +28,8 @@ pub struct HeaderFacts<'a> {
     pub key: Option<(usize, &'a [u8])>,
     pub content_type: Option<&'a [u8]>,
     pub content_length: Option<&'a [u8]>,
+    /// `:path` (for the prompt's API when prefix placement is on).
+    pub path: Option<&'a [u8]>,
     /// A client sent the internal cluster header (always stripped).
     pub has_cluster_header: bool,
     /// The caller may use the explicit-rank override: no trust is configured, or every copy of
@@ -61,6 +64,8 @@ impl<'a> HeaderFacts<'a> {
                 f.content_type = Some(value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 f.content_length = Some(value);
+            } else if name == b":path" {
+                f.path = Some(value);
             } else if let Some(prio) = cfg
                 .key
                 .headers
@@ -93,6 +98,15 @@ impl<'a> HeaderFacts<'a> {
     /// The declared body length, when present and a plain number.
     pub fn declared_length(&self) -> Option<u64> {
         parse_u64(trim_ows(self.content_length?))
+    }
+
+    /// The API whose prompt prefix placement reads: `None` when `prefix.enabled` is off or the
+    /// path is not an LLM endpoint the filter knows (`Api::from_path`).
+    pub fn prefix_api(&self, cfg: &Config) -> Option<Api> {
+        if !cfg.prefix.enabled {
+            return None;
+        }
+        Api::from_path(self.path?)
     }
 }
 
@@ -232,6 +246,18 @@ pub struct BodyFacts<'a> {
 /// somewhere the client did not ask for. Key fields: list order decides between fields; within
 /// one field the last occurrence wins, as in Python's and serde's JSON parsers.
 pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, ScanError> {
+    scan_body_and_prompt(cfg, body, None).map(|(facts, _)| facts)
+}
+
+/// [`scan_body`], plus the prompt's chain of block hashes when `api` is given (see
+/// [`HeaderFacts::prefix_api`]): both come out of ONE pass over the body
+/// ([`scan_prompt`] reports the wanted fields exactly as the top-level scanner does). Without
+/// `api` the chain is empty and the plain top-level scanner runs.
+pub fn scan_body_and_prompt<'a>(
+    cfg: &Config,
+    body: &'a [u8],
+    api: Option<Api>,
+) -> Result<(BodyFacts<'a>, Chain), ScanError> {
     let wanted: Vec<&str> = cfg.body.wanted_fields.iter().map(String::as_str).collect();
     let n_rank = if cfg.explicit.enabled {
         cfg.explicit.body_fields.len()
@@ -242,28 +268,45 @@ pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, Scan
     let mut rank: Option<Result<(u32, usize), RankError>> = None;
     let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; n_key];
     let mut room = None;
-    scan_top_level(body, &wanted, |idx, value| {
+    let mut found = |idx: usize, value: Value<'a>| {
         if idx < n_rank {
             rank = merge_rank(cfg, rank.take(), &wanted, idx, &value);
         } else if idx < n_rank + n_key {
             // Every occurrence replaces the previous one (last duplicate wins, as in serde and
             // Python); only a non-empty string is a key.
-            keys[idx - n_rank] = match value {
-                Value::Str(s) if !s.is_empty() => Some(s),
-                _ => None,
-            };
+            if let Some(slot) = keys.get_mut(idx - n_rank) {
+                *slot = match value {
+                    Value::Str(s) if !s.is_empty() => Some(s),
+                    _ => None,
+                };
+            }
         } else {
             room = match value {
                 Value::Number(raw) => parse_u64(raw), // not an integer >= 0: no room
                 _ => None,
             };
         }
-    })?;
-    Ok(BodyFacts {
+    };
+    let chain = match api {
+        Some(api) => scan_prompt(
+            body,
+            api,
+            &cfg.prefix,
+            &cfg.prefix_hasher,
+            &wanted,
+            &mut found,
+        )?,
+        None => {
+            scan_top_level(body, &wanted, &mut found)?;
+            Chain::default()
+        }
+    };
+    let facts = BodyFacts {
         rank: rank.map(|r| r.map(|(n, _)| n)),
         key: keys.into_iter().flatten().next(),
         room,
-    })
+    };
+    Ok((facts, chain))
 }
 
 /// Folds one more rank occurrence into what was seen so far. The first error sticks.
@@ -513,5 +556,50 @@ mod tests {
         let c = cfg();
         assert!(scan_body(&c, br#"{"routing_key":"k""#).is_err());
         assert!(scan_body(&c, b"[1]").is_err());
+    }
+
+    #[test]
+    fn prompt_api_from_the_path_only_when_enabled() {
+        let on = Config::from_json(br#"{"dp_size":4,"prefix":{"enabled":true}}"#).unwrap();
+        let h = [
+            (":path", "/v1/chat/completions?x=1"),
+            ("content-type", "application/json"),
+        ];
+        assert_eq!(facts(&on, &h).path, Some(&b"/v1/chat/completions?x=1"[..]));
+        assert_eq!(facts(&on, &h).prefix_api(&on), Some(Api::Chat));
+        assert_eq!(facts(&cfg(), &h).prefix_api(&cfg()), None, "prefix off");
+        let models = [(":path", "/v1/models")];
+        assert_eq!(facts(&on, &models).prefix_api(&on), None);
+        assert_eq!(facts(&on, &[]).prefix_api(&on), None, "no :path");
+    }
+
+    #[test]
+    fn one_pass_gives_the_fields_and_the_chain() {
+        use crate::prefix::prompt_chain;
+        let c = Config::from_json(
+            br#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":16},
+                 "assign":{"mode":"bootstrap_room"}}"#,
+        )
+        .unwrap();
+        let bodies = [
+            r#"{"model":"m","routing_key":"k","messages":[{"role":"user","content":"a long enough question to fill blocks"}],"routed_dp_rank":2}"#,
+            r#"{"messages":[{"role":"user","content":"another prompt here, long enough"}],"user":"u","routing_key":"","bootstrap_room":7}"#,
+            r#"{"prompt":"a completions prompt of some length","prompt_cache_key":"p"}"#,
+            r#"{"user":"x","messages":"not a list"}"#,
+        ];
+        for body in bodies {
+            for api in [Api::Chat, Api::Completions, Api::Generate] {
+                let (facts, chain) = scan_body_and_prompt(&c, body.as_bytes(), Some(api)).unwrap();
+                assert_eq!(facts, scan_body(&c, body.as_bytes()).unwrap(), "{body}");
+                let want = prompt_chain(body.as_bytes(), api, &c.prefix, &c.prefix_hasher).unwrap();
+                assert_eq!(chain, want, "{body}");
+            }
+            let (_, none) = scan_body_and_prompt(&c, body.as_bytes(), None).unwrap();
+            assert!(none.is_empty());
+        }
+        assert!(
+            scan_body_and_prompt(&c, br#"{"messages":[{"role":"user""#, Some(Api::Chat)).is_err()
+        );
+        assert!(scan_body_and_prompt(&c, b"[]", Some(Api::Chat)).is_err());
     }
 }

@@ -26,10 +26,22 @@ pub enum Counter {
     NoUsableRank,
     UntrustedRank,
     BucketUndecodable,
+    PrefixHit,
+    PrefixMiss,
+    PrefixSkippedFull,
+    PrefixHitBlocks1To3,
+    PrefixHitBlocks4To15,
+    PrefixHitBlocks16To63,
+    PrefixHitBlocks64Plus,
+    PrefixRecorded,
+    PrefixForgotten,
+    PrefixEvictions,
+    PrefixReads,
+    PrefixWrites,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 22] = [
+    pub const ALL: [Counter; 34] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -52,6 +64,18 @@ impl Counter {
         Counter::NoUsableRank,
         Counter::UntrustedRank,
         Counter::BucketUndecodable,
+        Counter::PrefixHit,
+        Counter::PrefixMiss,
+        Counter::PrefixSkippedFull,
+        Counter::PrefixHitBlocks1To3,
+        Counter::PrefixHitBlocks4To15,
+        Counter::PrefixHitBlocks16To63,
+        Counter::PrefixHitBlocks64Plus,
+        Counter::PrefixRecorded,
+        Counter::PrefixForgotten,
+        Counter::PrefixEvictions,
+        Counter::PrefixReads,
+        Counter::PrefixWrites,
     ];
 
     /// The metric name as defined with the host.
@@ -79,6 +103,29 @@ impl Counter {
             Counter::NoUsableRank => "dp_affinity.no_usable_rank",
             Counter::UntrustedRank => "dp_affinity.untrusted_rank",
             Counter::BucketUndecodable => "dp_affinity.bucket_undecodable",
+            Counter::PrefixHit => "dp_affinity.prefix_hit",
+            Counter::PrefixMiss => "dp_affinity.prefix_miss",
+            Counter::PrefixSkippedFull => "dp_affinity.prefix_skipped_full",
+            Counter::PrefixHitBlocks1To3 => "dp_affinity.prefix_hit_blocks_1_3",
+            Counter::PrefixHitBlocks4To15 => "dp_affinity.prefix_hit_blocks_4_15",
+            Counter::PrefixHitBlocks16To63 => "dp_affinity.prefix_hit_blocks_16_63",
+            Counter::PrefixHitBlocks64Plus => "dp_affinity.prefix_hit_blocks_64_plus",
+            Counter::PrefixRecorded => "dp_affinity.prefix_recorded",
+            Counter::PrefixForgotten => "dp_affinity.prefix_forgotten",
+            Counter::PrefixEvictions => "dp_affinity.prefix_evictions",
+            Counter::PrefixReads => "dp_affinity.prefix_reads",
+            Counter::PrefixWrites => "dp_affinity.prefix_writes",
+        }
+    }
+
+    /// The bucket of a prefix hit's matched length, in blocks (a histogram in four counters:
+    /// Envoy's wasm ABI has histograms, but four counters are cheaper to flush and to read).
+    pub fn prefix_hit_blocks(blocks: usize) -> Counter {
+        match blocks {
+            0..=3 => Counter::PrefixHitBlocks1To3,
+            4..=15 => Counter::PrefixHitBlocks4To15,
+            16..=63 => Counter::PrefixHitBlocks16To63,
+            _ => Counter::PrefixHitBlocks64Plus,
         }
     }
 
@@ -102,5 +149,24 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), Counter::ALL.len());
+    }
+
+    #[test]
+    fn prefix_hit_buckets() {
+        for (blocks, name) in [
+            (1, "prefix_hit_blocks_1_3"),
+            (3, "prefix_hit_blocks_1_3"),
+            (4, "prefix_hit_blocks_4_15"),
+            (15, "prefix_hit_blocks_4_15"),
+            (16, "prefix_hit_blocks_16_63"),
+            (63, "prefix_hit_blocks_16_63"),
+            (64, "prefix_hit_blocks_64_plus"),
+            (4096, "prefix_hit_blocks_64_plus"),
+        ] {
+            assert_eq!(
+                Counter::prefix_hit_blocks(blocks).name(),
+                format!("dp_affinity.{name}")
+            );
+        }
     }
 }

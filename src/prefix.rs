@@ -8,6 +8,14 @@
 //! [`prompt_chain`]) on the request body, [`PrefixIndex::longest_match`] when the prefix may
 //! decide, and [`PrefixIndex::record`] once the serving rank is known.
 //!
+//! Where it is wired: `config` reads the `prefix` section into a [`PrefixConfig`] and keys the
+//! [`PrefixHasher`] with `routing_key.hash_seed`; `extract::scan_body_and_prompt` runs
+//! [`scan_prompt`] with the body fields the filter wants (one pass); `decide::place` puts the
+//! match after the key's pin and before the assigner, and `decide::prefix_choice` applies the
+//! load bound to the matched rank (there is none in `assign.mode` `envoy`, which counts no
+//! requests in flight); the host records the chain under the serving rank and calls
+//! [`PrefixIndex::forget`] when that rank fails the request.
+//!
 //! # Canonical prompt
 //!
 //! A byte stream (or, for token ids, a stream of little-endian `u32`s), built from the body in
@@ -2224,6 +2232,59 @@ mod tests {
         // The most recent chain survives.
         let last = random_chain(99_999, len(99_999), &[], 0);
         assert_eq!(idx.longest_match(&s, &last, 1000, 4).rank, Some(3));
+    }
+
+    /// Issue 6's bound, with real prompts as the filter sees them: 100,000 distinct chat bodies
+    /// (hashed by the walker, looked up, recorded under a rank, as the host does) leave the
+    /// index at `buckets × ways × 16` bytes, and the newest prompts are still found.
+    #[test]
+    fn hundred_thousand_distinct_prompts_leave_the_index_at_its_bound() {
+        let mut c = index_cfg(128, 4);
+        c.block_bytes = 32;
+        c.max_blocks = 8;
+        let (s, idx, h) = (MemStore::default(), PrefixIndex::new(&c), hasher());
+        idx.table().ensure_buckets(&s);
+        let bound = 128 * 4 * 16; // bytes of entries; the store also holds a 1-byte marker
+        let body = |n: u32| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"prompt {n}: {}"}}]}}"#,
+                "tell me more about it. ".repeat(1 + (n % 12) as usize)
+            )
+        };
+        let (mut evictions, mut written) = (0u64, 0u64);
+        for n in 0..100_000u32 {
+            let chain = prompt_chain(body(n).as_bytes(), Api::Chat, &c, &h).unwrap();
+            assert!(!chain.is_empty());
+            let m = idx.longest_match(&s, chain.hashes(), 1000, 4);
+            written += idx.writes_needed(chain.len(), &m) as u64;
+            evictions += u64::from(idx.record(&s, chain.hashes(), n % 4, 1000, &m).evictions);
+            if n % 10_000 == 0 {
+                assert!(
+                    s.total_bytes() <= bound + 1,
+                    "after {n}: {}",
+                    s.total_bytes()
+                );
+            }
+        }
+        assert!(
+            s.total_bytes() <= bound + 1,
+            "{} > {bound}",
+            s.total_bytes()
+        );
+        assert!(written > 300_000, "{written}");
+        // Every entry written was new: it took a free way or evicted the bucket's oldest.
+        let live = (s.total_bytes() as u64 - 1) / 16;
+        assert_eq!(
+            written,
+            evictions + live,
+            "{written} written, {evictions} evicted"
+        );
+        assert!(live > 400, "the index is used: {live} live entries");
+        // The last prompt is still there, the first long gone.
+        let last = prompt_chain(body(99_999).as_bytes(), Api::Chat, &c, &h).unwrap();
+        assert_eq!(idx.longest_match(&s, last.hashes(), 1000, 4).rank, Some(3));
+        let first = prompt_chain(body(0).as_bytes(), Api::Chat, &c, &h).unwrap();
+        assert_eq!(idx.longest_match(&s, first.hashes(), 1000, 4).rank, None);
     }
 
     #[test]

@@ -11,12 +11,13 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::assign::{choose_hash, choose_least_inflight, choose_round_robin, keep_pin, Mode};
+use crate::assign::{choose_hash, choose_least_inflight, choose_round_robin, Mode};
 use crate::config::{Config, TargetMode};
-use crate::decide::{decide_body, decide_headers, resolve_key, without_body};
-use crate::decide::{Decision, HeaderStep, Reason};
+use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key, without_body};
+use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::metrics::Counter;
+use crate::prefix::{Api, Chain, Match, PrefixIndex};
 use crate::ranks::{BoardEvents, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
@@ -42,6 +43,43 @@ impl Store for SharedData {
     }
 }
 
+/// Shared data for the prefix index, counting its host calls (`prefix_reads`, `prefix_writes`).
+/// Built per operation: the counts also tell whether an operation wrote anything.
+struct IndexStore<'c> {
+    counters: &'c Counters,
+    reads: Cell<u32>,
+    writes: Cell<u32>,
+}
+
+impl<'c> IndexStore<'c> {
+    fn new(counters: &'c Counters) -> Self {
+        IndexStore {
+            counters,
+            reads: Cell::new(0),
+            writes: Cell::new(0),
+        }
+    }
+}
+
+impl Store for IndexStore<'_> {
+    fn get(&self, key: &str) -> Stored {
+        self.reads.set(self.reads.get() + 1);
+        SharedData.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.writes.set(self.writes.get() + 1);
+        SharedData.set(key, value, cas)
+    }
+}
+
+impl Drop for IndexStore<'_> {
+    fn drop(&mut self) {
+        self.counters.add(Counter::PrefixReads, self.reads.get());
+        self.counters.add(Counter::PrefixWrites, self.writes.get());
+    }
+}
+
 /// The filter's counters for one VM (one Envoy worker).
 ///
 /// Requests add to in-VM cells; `flush` hands the sums to Envoy once per tick. Every host call
@@ -63,7 +101,8 @@ impl Counters {
         }
         Counters {
             ids,
-            pending: Default::default(),
+            // `Default` stops at 32 elements.
+            pending: std::array::from_fn(|_| Cell::new(0)),
         }
     }
 
@@ -77,6 +116,28 @@ impl Counters {
         self.add(Counter::CasRetries, ev.cas_retries);
         self.add(Counter::CasExhausted, ev.cas_exhausted);
         self.add(Counter::BucketUndecodable, ev.undecodable);
+    }
+
+    /// The prefix index's events: its evictions apart (the affinity table's `evictions` stay
+    /// about keys), conflicts and undecodable buckets with the table's.
+    fn add_index_events(&self, ev: TableEvents) {
+        self.add(Counter::PrefixEvictions, ev.evictions);
+        self.add(Counter::CasRetries, ev.cas_retries);
+        self.add(Counter::CasExhausted, ev.cas_exhausted);
+        self.add(Counter::BucketUndecodable, ev.undecodable);
+    }
+
+    /// What the prefix stage decided, if it was consulted.
+    fn add_prefix_choice(&self, choice: Option<PrefixChoice>) {
+        match choice {
+            None => {}
+            Some(PrefixChoice::Hit { blocks, .. }) => {
+                self.add(Counter::PrefixHit, 1);
+                self.add(Counter::prefix_hit_blocks(blocks), 1);
+            }
+            Some(PrefixChoice::Miss) => self.add(Counter::PrefixMiss, 1),
+            Some(PrefixChoice::SkippedFull { .. }) => self.add(Counter::PrefixSkippedFull, 1),
+        }
     }
 
     fn add_board_events(&self, ev: BoardEvents) {
@@ -118,6 +179,8 @@ impl Clock {
 struct Runtime {
     cfg: Config,
     table: AffinityTable,
+    /// The prefix index, when `prefix.enabled`.
+    prefix: Option<PrefixIndex>,
     board: RankBoard,
     counters: Rc<Counters>,
     clock: Rc<Clock>,
@@ -183,6 +246,12 @@ impl RootContext for Root {
         };
         let table = AffinityTable::new(cfg.table.clone());
         let created = table.ensure_buckets(&SharedData);
+        // Created up front like the affinity table's, so every later write is a real
+        // compare-and-swap (a marker key lets later VMs skip the walk).
+        let prefix = cfg.prefix.enabled.then(|| PrefixIndex::new(&cfg.prefix));
+        let prefix_created = prefix
+            .as_ref()
+            .map_or(0, |idx| idx.table().ensure_buckets(&SharedData));
         let board = RankBoard::new(&cfg.table.namespace, cfg.dp_size, cfg.table.cas_retries);
         if cfg.assign.tracks_load() {
             board.ensure(&SharedData);
@@ -195,9 +264,23 @@ impl RootContext for Root {
             "dp-affinity configured: dp_size {}, table {}x{} (created {} buckets), ttl {}s",
             cfg.dp_size, cfg.table.buckets, cfg.table.ways, created, cfg.table.ttl_seconds
         );
+        if cfg.prefix.enabled {
+            info!(
+                "prefix placement on: blocks of {} B / {} ids, up to {}, min match {}, index {}x{} (created {} buckets), ttl {}s",
+                cfg.prefix.block_bytes,
+                cfg.prefix.block_tokens,
+                cfg.prefix.max_blocks,
+                cfg.prefix.min_match_blocks,
+                cfg.prefix.table.buckets,
+                cfg.prefix.table.ways,
+                prefix_created,
+                cfg.prefix.table.ttl_seconds
+            );
+        }
         self.runtime = Some(Rc::new(Runtime {
             cfg,
             table,
+            prefix,
             board,
             counters,
             clock: self.clock.clone(),
@@ -217,6 +300,8 @@ impl RootContext for Root {
             routed: Routed::Unset,
             acquired: None,
             trusted: false,
+            api: None,
+            prefix: None,
         }))
     }
 
@@ -240,6 +325,17 @@ enum Routed {
     Balanced,
 }
 
+/// A request's prompt chain and what the prefix index said about it, kept from the decision to
+/// the response: to record the chain once the serving rank is known, and to forget it if that
+/// rank fails the request.
+struct PrefixState {
+    chain: Chain,
+    /// The lookup's result (`Match::default()` until the lookup is made).
+    matched: Match,
+    /// The rank the chain was recorded under (once recorded: a chain is recorded at most once).
+    recorded: Option<u32>,
+}
+
 struct Filter {
     rt: Rc<Runtime>,
     id: u32,
@@ -252,6 +348,10 @@ struct Filter {
     acquired: Option<u32>,
     /// The caller may use the explicit-rank override (body fields included).
     trusted: bool,
+    /// The prompt's API when prefix placement reads this request's body.
+    api: Option<Api>,
+    /// The prompt's chain, when the body gave one and the decision uses it.
+    prefix: Option<PrefixState>,
 }
 
 impl Context for Filter {}
@@ -295,6 +395,7 @@ impl HttpContext for Filter {
             }
         }
         self.trusted = facts.trusted;
+        self.api = facts.prefix_api(cfg);
         match decide_headers(cfg, &facts, end_of_stream) {
             HeaderStep::ReadBody => {
                 self.awaiting_body = true;
@@ -337,14 +438,19 @@ impl HttpContext for Filter {
         let echo_wanted = self.rt.cfg.echo_header.is_some();
         let tracks_load = self.rt.cfg.assign.tracks_load();
         // Each branch reads only what it needs: host calls are the filter's main cost.
+        // A chain recorded or to record needs the status (forget on failure) or the rank.
+        let prefix_pending = self.prefix.is_some();
         let (served, echo_in_place) = match self.routed {
             Routed::Unset => return Action::Continue, // our own 400, or answered before us
-            // Nothing to learn or to unpin: no read at all, just the echo.
-            Routed::Direct(rank) if !tracks_load => (Some(rank), false),
+            // Nothing to learn, unpin or forget: no read at all, just the echo.
+            Routed::Direct(rank) if !tracks_load && !prefix_pending => (Some(rank), false),
             Routed::Direct(rank) => {
                 let facts = self.response_facts();
                 if facts.failed() {
-                    self.cool_down(rank);
+                    if tracks_load {
+                        self.cool_down(rank);
+                    }
+                    self.forget_prefix(rank);
                 }
                 (
                     Some(rank),
@@ -360,6 +466,7 @@ impl HttpContext for Filter {
                     if tracks_load {
                         self.cool_down(rank);
                     }
+                    self.forget_prefix(rank);
                 }
                 (
                     Some(rank),
@@ -371,12 +478,19 @@ impl HttpContext for Filter {
                 let served = self.served_rank(&facts);
                 if !facts.failed() {
                     self.learn(hash, served);
+                    if let Some(rank) = served {
+                        self.record_prefix(rank);
+                    }
                 }
                 (served, facts.echo_in_place)
             }
-            Routed::Balanced if echo_wanted => {
+            Routed::Balanced if echo_wanted || prefix_pending => {
                 let facts = self.response_facts();
-                (self.served_rank(&facts), facts.echo_in_place)
+                let served = self.served_rank(&facts);
+                if let (false, Some(rank)) = (facts.failed(), served) {
+                    self.record_prefix(rank);
+                }
+                (served, facts.echo_in_place)
             }
             Routed::Balanced => (None, false),
         };
@@ -400,13 +514,27 @@ impl Filter {
     fn decide_from_body(&mut self) -> Action {
         self.awaiting_body = false;
         let header_key = self.header_key.take();
-        let decision = match abi::request_body(0, self.body_size) {
-            Ok(body) => decide_body(&self.rt.cfg, &body, header_key.as_deref(), self.trusted),
+        let (decision, chain) = match abi::request_body(0, self.body_size) {
+            Ok(body) => decide_body_with_prefix(
+                &self.rt.cfg,
+                &body,
+                header_key.as_deref(),
+                self.trusted,
+                self.api,
+            ),
             Err(e) => {
                 warn!("[{}] cannot read request body: status {}", self.id, e.0);
-                without_body(&self.rt.cfg, Reason::NoKey, header_key.as_deref())
+                let d = without_body(&self.rt.cfg, Reason::NoKey, header_key.as_deref());
+                (d, Chain::default())
             }
         };
+        if !chain.is_empty() && self.rt.prefix.is_some() {
+            self.prefix = Some(PrefixState {
+                chain,
+                matched: Match::default(),
+                recorded: None,
+            });
+        }
         self.apply(decision, true)
     }
 
@@ -432,31 +560,78 @@ impl Filter {
                 if undecodable {
                     rt.counters.add(Counter::BucketUndecodable, 1);
                 }
+                // Looked up even when the pin will decide: recording then writes only what the
+                // index does not hold yet (usually nothing, for a conversation's next turn).
+                let matched = self.prefix_lookup();
                 if rt.cfg.assign.tracks_load() {
-                    self.place_key(hash, pinned, from_body);
-                } else if let Some(rank) = pinned {
-                    rt.counters.add(Counter::AffinityHit, 1);
-                    self.route_to(rank, from_body);
-                    self.routed = Routed::Pinned { hash, rank };
+                    self.place_key(hash, pinned, matched, from_body);
                 } else {
-                    rt.counters.add(Counter::AffinityMiss, 1);
-                    self.routed = Routed::Learn { hash };
+                    let now = rt.clock.now();
+                    let p = place(&rt.cfg, now, pinned, matched.as_ref(), None, || None);
+                    rt.counters.add_prefix_choice(p.prefix);
+                    match p.placed {
+                        Placed::Pin(rank) => {
+                            rt.counters.add(Counter::AffinityHit, 1);
+                            self.route_to(rank, from_body);
+                            self.routed = Routed::Pinned { hash, rank };
+                            self.record_prefix(rank);
+                        }
+                        Placed::Prefix { rank, .. } => {
+                            // The key follows its prompt: pinned at once, nothing to learn.
+                            rt.counters.add(Counter::AffinityMiss, 1);
+                            rt.counters.add_table_events(rt.table.pin(
+                                &SharedData,
+                                hash,
+                                rank,
+                                now,
+                            ));
+                            self.route_to(rank, from_body);
+                            self.routed = Routed::Pinned { hash, rank };
+                            self.record_prefix(rank);
+                        }
+                        Placed::Assigned(_) => {
+                            // Envoy balances; the key and the chain are recorded from the answer.
+                            rt.counters.add(Counter::AffinityMiss, 1);
+                            self.routed = Routed::Learn { hash };
+                        }
+                    }
                 }
             }
             Decision::Fallback(reason) => {
                 rt.counters.add(fallback_counter(reason), 1);
                 self.routed = Routed::Balanced;
+                let matched = self.prefix_lookup();
+                let now = rt.clock.now();
                 if rt.cfg.assign.tracks_load() {
-                    let (rank, events) = rt.board.acquire(&SharedData, |st| self.place(st, None));
+                    let mut placement = None;
+                    let (rank, events) = rt.board.acquire(&SharedData, |st| {
+                        let p = place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
+                            self.place(st, None)
+                        });
+                        placement = Some(p);
+                        placed_rank(p.placed)
+                    });
                     rt.counters.add_board_events(events);
+                    rt.counters
+                        .add_prefix_choice(placement.and_then(|p| p.prefix));
                     match rank {
                         Some(rank) => {
                             self.acquired = Some(rank);
                             self.route_to(rank, from_body);
                             self.routed = Routed::Direct(rank);
+                            self.record_prefix(rank);
                         }
                         None => rt.counters.add(Counter::NoUsableRank, 1),
                     }
+                } else {
+                    let p = place(&rt.cfg, now, None, matched.as_ref(), None, || None);
+                    rt.counters.add_prefix_choice(p.prefix);
+                    if let Placed::Prefix { rank, .. } = p.placed {
+                        self.route_to(rank, from_body);
+                        self.routed = Routed::Direct(rank);
+                        self.record_prefix(rank);
+                    }
+                    // Otherwise Envoy balances; the chain is recorded from the answer.
                 }
             }
             Decision::Reject(rejection) => {
@@ -490,21 +665,29 @@ impl Filter {
     }
 
     /// Places a keyed request with the filter's own assigner: a pin stays while its rank is
-    /// usable and under the loose load bound; otherwise the key goes to its best non-full rank
-    /// and the pin follows. The choice and the in-flight count are one atomic update.
-    fn place_key(&mut self, hash: u64, pinned: Option<u32>, from_body: bool) {
+    /// usable and under the loose load bound; otherwise the key goes to the rank of its prompt's
+    /// prefix (`matched`) if that one is not full, else to its best non-full rank, and the pin
+    /// follows. The choice and the in-flight count are one atomic update.
+    fn place_key(
+        &mut self,
+        hash: u64,
+        pinned: Option<u32>,
+        matched: Option<Match>,
+        from_body: bool,
+    ) {
         let rt = self.rt.clone();
         let now = rt.clock.now();
-        let mut kept = false;
+        let mut placement: Option<Placement> = None;
         let (rank, events) = rt.board.acquire(&SharedData, |st| {
-            kept = pinned.is_some_and(|r| keep_pin(st, now, r, rt.cfg.assign.pinned_bound));
-            if kept {
-                pinned
-            } else {
+            let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
                 self.place(st, Some(hash))
-            }
+            });
+            placement = Some(p);
+            placed_rank(p.placed)
         });
         rt.counters.add_board_events(events);
+        rt.counters
+            .add_prefix_choice(placement.and_then(|p| p.prefix));
         let Some(rank) = rank else {
             // Nothing usable (or the count could not be taken): let Envoy balance and learn.
             rt.counters.add(Counter::NoUsableRank, 1);
@@ -512,24 +695,106 @@ impl Filter {
             return;
         };
         self.acquired = Some(rank);
-        if kept {
-            rt.counters.add(Counter::AffinityHit, 1);
-        } else {
-            let moved = pinned.is_some();
-            rt.counters.add(
-                if moved {
-                    Counter::Moved
-                } else {
-                    Counter::AffinityMiss
-                },
-                1,
-            );
-            rt.counters.add(Counter::Assigned, 1);
-            rt.counters
-                .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
+        match placement.map(|p| p.placed) {
+            Some(Placed::Pin(_)) => rt.counters.add(Counter::AffinityHit, 1),
+            placed => {
+                let moved = pinned.is_some();
+                rt.counters.add(
+                    if moved {
+                        Counter::Moved
+                    } else {
+                        Counter::AffinityMiss
+                    },
+                    1,
+                );
+                if let Some(Placed::Assigned(_)) = placed {
+                    rt.counters.add(Counter::Assigned, 1);
+                }
+                rt.counters
+                    .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
+            }
         }
         self.route_to(rank, from_body);
         self.routed = Routed::Pinned { hash, rank };
+        self.record_prefix(rank);
+    }
+
+    /// Searches the prefix index for this request's chain (if it has one) and keeps the result
+    /// for recording. `None`: no chain, so the prefix has no say.
+    fn prefix_lookup(&mut self) -> Option<Match> {
+        let rt = self.rt.clone();
+        let idx = rt.prefix.as_ref()?;
+        let state = self.prefix.as_mut()?;
+        let store = IndexStore::new(&rt.counters);
+        state.matched =
+            idx.longest_match(&store, state.chain.hashes(), rt.clock.now(), rt.cfg.dp_size);
+        if let Some(rank) = state.matched.rank {
+            debug!(
+                "[{}] prefix: {} of {} blocks indexed on rank {rank}",
+                self.id,
+                state.matched.blocks,
+                state.chain.len()
+            );
+        }
+        Some(state.matched)
+    }
+
+    /// Records this request's chain under the rank that serves it (once), writing only the
+    /// positions beyond what the lookup found.
+    fn record_prefix(&mut self, rank: u32) {
+        let rt = self.rt.clone();
+        let (Some(idx), Some(state)) = (rt.prefix.as_ref(), self.prefix.as_mut()) else {
+            return;
+        };
+        if state.recorded.is_some() {
+            return;
+        }
+        state.recorded = Some(rank);
+        if idx.writes_needed(state.chain.len(), &state.matched) == 0 {
+            return;
+        }
+        let store = IndexStore::new(&rt.counters);
+        let events = idx.record(
+            &store,
+            state.chain.hashes(),
+            rank,
+            rt.clock.now(),
+            &state.matched,
+        );
+        rt.counters.add_index_events(events);
+        if events.cas_exhausted == 0 {
+            rt.counters.add(Counter::PrefixRecorded, 1);
+        }
+    }
+
+    /// `rank` failed this request: if the chain was recorded under it (or the prefix sent the
+    /// request there), its entries pointing at `rank` are removed, so the next request sharing
+    /// the prefix is placed afresh. Entries re-pointed elsewhere since are kept.
+    fn forget_prefix(&mut self, rank: u32) {
+        let rt = self.rt.clone();
+        let (Some(idx), Some(state)) = (rt.prefix.as_ref(), self.prefix.as_ref()) else {
+            return;
+        };
+        let ours = state.recorded == Some(rank) || state.matched.rank == Some(rank);
+        if !ours {
+            return;
+        }
+        // The whole chain, not only the matched part: what this request recorded goes too.
+        let all = Match {
+            blocks: state.chain.len(),
+            rank: Some(rank),
+            ..Match::default()
+        };
+        let store = IndexStore::new(&rt.counters);
+        let events = idx.forget(&store, state.chain.hashes(), rank, &all);
+        rt.counters.add_index_events(events);
+        if store.writes.get() > 0 {
+            rt.counters.add(Counter::PrefixForgotten, 1);
+            info!(
+                "[{}] rank {rank} failed; its prefix entries of this prompt forgotten",
+                self.id
+            );
+        }
     }
 
     /// The configured assigner's choice over a snapshot of rank state.
@@ -630,6 +895,14 @@ impl Filter {
             "[{}] rank {rank} failed; cooling down for {seconds}s",
             self.id
         );
+    }
+}
+
+/// The rank a placement sends the request to (`None`: Envoy balances).
+fn placed_rank(placed: Placed) -> Option<u32> {
+    match placed {
+        Placed::Pin(rank) | Placed::Prefix { rank, .. } => Some(rank),
+        Placed::Assigned(rank) => rank,
     }
 }
 

@@ -1,0 +1,345 @@
+//! End-to-end scenarios of prefix placement (issue 6, `prefix.enabled`): the compiled filter in
+//! a real Envoy (2 workers) in front of 4 mock ranks. Requests without a routing key that share a
+//! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
+//! a keyed request records its prefix for keyless followers; a rank that fails forgets the
+//! prompt's entries; the index stays at its bound.
+//! (`cargo test --test prefix -- --nocapture` prints what each scenario measured.)
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use support::http::{Client, Request};
+use support::requests::{merge, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER};
+use support::stack::{mock_info, served_rank, Stack, StackOptions};
+
+// ---------------------------------------------------------------- helpers
+
+/// A plugin configuration with prefix placement on, deep-merged with `extra`.
+fn prefix_config(extra: Value) -> Value {
+    let mut overrides = json!({ "prefix": { "enabled": true } });
+    merge(&mut overrides, extra);
+    plugin_config(overrides)
+}
+
+/// A system prompt of exactly 16 KiB, distinct from its first bytes for each `tag`.
+fn system_prompt(tag: &str) -> String {
+    let mut s = format!("System prompt {tag}. You are a helpful assistant for team {tag}. ");
+    while s.len() < 16 * 1024 {
+        s.push_str("Follow the policies, cite your sources, and keep answers short. ");
+    }
+    s.truncate(16 * 1024);
+    s
+}
+
+/// A keyless chat request: `system` then one user message.
+fn chat_with(system: &str, user: &str) -> Request {
+    Request::post("/v1/chat/completions").json(&json!({
+        "model": "mock",
+        "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": user },
+        ],
+    }))
+}
+
+fn per_rank(ranks: impl IntoIterator<Item = u32>) -> Vec<usize> {
+    let mut counts = vec![0; DP_SIZE as usize];
+    for r in ranks {
+        counts[r as usize] += 1;
+    }
+    counts
+}
+
+/// Lets `on_log` of the requests just answered release their in-flight slots.
+fn settle() {
+    std::thread::sleep(Duration::from_millis(200));
+}
+
+// ---------------------------------------------------------------- (a) + (b)
+
+/// Keyless requests sharing a 16 KiB system prompt follow the first one's rank, in `envoy` mode
+/// (the first is balanced by Envoy and recorded from the response) and in `hash` mode (keyless
+/// requests placed by least in-flight and recorded at once); unrelated prompts spread.
+#[test]
+fn shared_system_prompt_keyless_requests_share_a_rank() {
+    const PROMPTS: usize = 6;
+    const UNRELATED: usize = 40;
+    for mode in ["envoy", "hash"] {
+        let stack = Stack::start(
+            &format!("prefix_shared_system_prompt_{mode}"),
+            StackOptions::new(prefix_config(json!({ "assign": { "mode": mode } }))),
+        );
+        let mut firsts = Vec::new();
+        for i in 0..PROMPTS {
+            let system = system_prompt(&format!("{mode}-{i}"));
+            let first =
+                served_rank(&stack.send(&chat_with(&system, "How do I reset my password?")));
+            let second = served_rank(&stack.send(&chat_with(&system, "Where is my invoice?")));
+            let third = served_rank(&stack.send(&chat_with(&system, "Say hello.")));
+            assert_eq!(
+                (second, third),
+                (first, first),
+                "[{mode}] system prompt {i}: requests sharing it went to {first}, {second}, {third}"
+            );
+            firsts.push(first);
+        }
+        // 16 KiB = 32 blocks of 512 B, all shared: every follower matched 32 blocks.
+        let followers = 2 * PROMPTS as u64;
+        stack.assert_counter("prefix_hit", followers);
+        stack.assert_counter("prefix_hit_blocks_16_63", followers);
+        stack.assert_counter("prefix_miss", PROMPTS as u64);
+        stack.assert_counter("prefix_skipped_full", 0);
+
+        // Unrelated prompts (different from their first block): misses, spread over the ranks.
+        let ranks: Vec<u32> = (0..UNRELATED)
+            .map(|i| {
+                let prompt = format!("Unrelated prompt number {i}: ").repeat(40);
+                served_rank(&stack.send(&chat_with(&prompt, "?")))
+            })
+            .collect();
+        let spread = per_rank(ranks.iter().copied());
+        println!(
+            "[{mode}] {PROMPTS} shared system prompts: first requests on {firsts:?}, all followers \
+             on the same rank; {UNRELATED} unrelated prompts per rank {spread:?}"
+        );
+        assert!(
+            spread.iter().filter(|n| **n > 0).count() >= 3,
+            "[{mode}] unrelated prompts not spread: {spread:?}"
+        );
+        stack.assert_counter("prefix_miss", (PROMPTS + UNRELATED) as u64);
+        stack.assert_counter("prefix_hit", followers);
+        // Every first request and every unrelated prompt was recorded (followers matched their
+        // whole 32-block prefix and 2-block tail positions may be new: at least the firsts).
+        stack.assert_counter_at_least("prefix_recorded", (PROMPTS + UNRELATED) as u64);
+
+        // A malformed body on an LLM path is passed through untouched and counted, not a panic.
+        let broken = Request::post("/v1/chat/completions").body(
+            "application/json",
+            br#"{"model":"m","messages":[{"role":"user","content":"x"#.to_vec(),
+        );
+        let response = stack.send(&broken);
+        assert_eq!(response.status, 200, "{}", response.text());
+        assert_eq!(
+            mock_info(&response)["body_len"],
+            json!(broken.body.len()),
+            "body changed"
+        );
+        stack.assert_counter("body_malformed", 1);
+        let again = system_prompt(&format!("{mode}-0"));
+        assert_eq!(
+            served_rank(&stack.send(&chat_with(&again, "Still there?"))),
+            firsts[0],
+            "[{mode}] the VM forgot its index after a malformed body"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- (c)
+
+/// A prefix-matched rank with more requests in flight than the load bound allows is avoided
+/// (`prefix_skipped_full`); once its load drops, the prefix sends requests back to it.
+#[test]
+fn full_prefix_rank_is_avoided() {
+    const HELD: usize = 3;
+    let stack = Stack::start(
+        "prefix_full_rank_is_avoided",
+        StackOptions::new(prefix_config(json!({
+            "assign": { "mode": "least_inflight", "min_capacity": 1 },
+        })))
+        .mock_args(&["--stream-interval-ms", "250"]),
+    );
+    let system = system_prompt("busy");
+    let home = served_rank(&stack.send(&chat_with(&system, "First question")));
+    settle();
+    assert_eq!(
+        served_rank(&stack.send(&chat_with(&system, "Second question"))),
+        home
+    );
+    stack.assert_counter("prefix_hit", 1);
+    settle();
+
+    // Hold HELD long streams on the prefix's rank (explicit rank: counted in flight there).
+    // Capacity with 3 in flight on 4 ranks, factor 1.25, floor 1: ceil(1.25 × 4 / 4) = 2.
+    let addr = stack.addr();
+    let (avoided_to, after) = std::thread::scope(|scope| {
+        let holders: Vec<_> = (0..HELD)
+            .map(|_| {
+                scope.spawn(move || {
+                    let request = Request::post("/v1/chat/completions")
+                        .json(&json!({
+                            "model": "mock",
+                            "stream": true,
+                            "max_tokens": 12,
+                            "messages": [{ "role": "user", "content": "hold" }],
+                        }))
+                        .header(RANK_HEADER, &home.to_string());
+                    let streamed = support::http::stream(addr, &request);
+                    assert_eq!(streamed.status, 200);
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(600));
+        let busy = served_rank(&stack.send(&chat_with(&system, "Third question, rank busy")));
+        for h in holders {
+            h.join().expect("holder thread");
+        }
+        settle();
+        let after = served_rank(&stack.send(&chat_with(&system, "Fourth question, rank idle")));
+        (busy, after)
+    });
+    println!(
+        "prefix on rank {home}; with {HELD} streams held there the next request went to \
+         {avoided_to}; after they ended, to {after}"
+    );
+    assert_ne!(avoided_to, home, "a full prefix rank was not avoided");
+    stack.assert_counter("prefix_skipped_full", 1);
+    assert_eq!(
+        after, home,
+        "the prefix still points at its rank: the request placed elsewhere overwrote nothing"
+    );
+    stack.assert_counter("prefix_hit", 2);
+    stack.assert_counter("explicit", HELD as u64);
+}
+
+// ---------------------------------------------------------------- (d)
+
+/// A keyed request records its prefix: keyless requests with the same system prompt follow it.
+/// And the other way round: a new key whose prompt is indexed is placed (and pinned) by it.
+#[test]
+fn keyed_request_records_its_prefix() {
+    const KEYS: usize = 6;
+    let stack = Stack::start(
+        "prefix_keyed_request_records",
+        StackOptions::new(prefix_config(json!({}))),
+    );
+    let mut placed = Vec::new();
+    for i in 0..KEYS {
+        let system = system_prompt(&format!("keyed-{i}"));
+        let keyed = chat_with(&system, "Turn one").header(KEY_HEADER, &format!("conv-{i}"));
+        let rank = served_rank(&stack.send(&keyed));
+        let keyless = served_rank(&stack.send(&chat_with(&system, "Someone else asks")));
+        assert_eq!(
+            keyless, rank,
+            "key conv-{i}: keyless follower went elsewhere"
+        );
+        // The key's next turn is a pin hit, the prompt grew: still the same rank.
+        let next = chat_with(&system, "Turn one, and now turn two")
+            .header(KEY_HEADER, &format!("conv-{i}"));
+        assert_eq!(served_rank(&stack.send(&next)), rank);
+        placed.push(rank);
+    }
+    stack.assert_counter("learned", KEYS as u64);
+    stack.assert_counter("affinity_hit", KEYS as u64);
+    stack.assert_counter("prefix_hit", KEYS as u64);
+
+    // Reverse: keyless first, then a new key with the same system prompt: placed by the
+    // prefix and pinned at once (no learning needed), its next turn a pin hit.
+    let mut reverse = Vec::new();
+    for i in 0..KEYS {
+        let system = system_prompt(&format!("reverse-{i}"));
+        let rank = served_rank(&stack.send(&chat_with(&system, "Anonymous question")));
+        let key = format!("late-key-{i}");
+        let keyed = chat_with(&system, "Keyed question").header(KEY_HEADER, &key);
+        assert_eq!(
+            served_rank(&stack.send(&keyed)),
+            rank,
+            "{key}: not placed by its prefix"
+        );
+        let unrelated =
+            chat_with(&format!("Unrelated {i}. ").repeat(50), "x").header(KEY_HEADER, &key);
+        assert_eq!(
+            served_rank(&stack.send(&unrelated)),
+            rank,
+            "{key}: pin not written"
+        );
+        reverse.push(rank);
+    }
+    println!("keyed first: ranks {placed:?}; keyless first then keyed: ranks {reverse:?}");
+    stack.assert_counter("prefix_hit", 2 * KEYS as u64);
+    stack.assert_counter("learned", KEYS as u64);
+    stack.assert_counter("affinity_hit", 2 * KEYS as u64);
+}
+
+// ---------------------------------------------------------------- (e)
+
+/// Thousands of distinct prompts through a tiny index (4 buckets × 2 ways = 8 entries): every
+/// prompt is recorded, all but 8 entries are evicted, the newest prompt is still found and the
+/// oldest is gone. (The 100,000-prompt version runs natively: `prefix::tests`.)
+#[test]
+fn index_stays_at_its_bound() {
+    const PROMPTS: u64 = 3000;
+    const ENTRIES: u64 = 4 * 2;
+    let stack = Stack::start(
+        "prefix_index_bound",
+        StackOptions::new(prefix_config(json!({
+            "assign": { "mode": "hash" },
+            "prefix": {
+                "block_bytes": 64,
+                "max_blocks": 1,
+                "table": { "buckets": 4, "ways": 2 },
+            },
+        }))),
+    );
+    let prompt = |n: u64| format!("Distinct prompt {n:06}, long enough to fill one whole block.");
+    let mut client = Client::new(stack.addr());
+    let mut ranks = BTreeSet::new();
+    for n in 0..PROMPTS {
+        let response = client.send(&chat_with(&prompt(n), ""));
+        ranks.insert(served_rank(&response));
+    }
+    stack.assert_counter("prefix_miss", PROMPTS);
+    stack.assert_counter("prefix_recorded", PROMPTS);
+    let evictions = stack.counter("prefix_evictions");
+    println!(
+        "{PROMPTS} distinct one-block prompts into {ENTRIES} entries: {evictions} evicted, ranks used {ranks:?}"
+    );
+    assert!(
+        (PROMPTS - ENTRIES..PROMPTS).contains(&evictions),
+        "live entries = recorded - evicted = {} (bound {ENTRIES})",
+        PROMPTS - evictions
+    );
+    // The newest prompt is still indexed; the oldest was evicted long ago.
+    let last = served_rank(&client.send(&chat_with(&prompt(PROMPTS - 1), "again")));
+    stack.assert_counter("prefix_hit", 1);
+    let _ = last;
+    client.send(&chat_with(&prompt(0), "again"));
+    stack.assert_counter("prefix_miss", PROMPTS + 1);
+}
+
+// ---------------------------------------------------------------- failure
+
+/// A rank that fails a request its prefix sent there loses the prompt's entries: the next request
+/// sharing the prefix is placed afresh (and recorded where it then goes).
+#[test]
+fn failed_prefix_rank_is_forgotten() {
+    let mut stack = Stack::start(
+        "prefix_failed_rank_forgotten",
+        StackOptions::new(prefix_config(json!({ "assign": { "mode": "hash" } }))),
+    );
+    let system = system_prompt("failing");
+    let home = served_rank(&stack.send(&chat_with(&system, "Before the failure")));
+    stack.mock(home).kill();
+    let failed = stack.send(&chat_with(&system, "Sent to the dead rank by its prefix"));
+    assert!(
+        failed.status >= 500,
+        "expected a 5xx from the killed rank {home}, got {}",
+        failed.status
+    );
+    stack.assert_counter("prefix_hit", 1);
+    stack.assert_counter("prefix_forgotten", 1);
+    // Forgotten: a miss, placed on a live rank (the dead one is cooling down), recorded there.
+    let moved = served_rank(&stack.send(&chat_with(&system, "After the failure")));
+    assert_ne!(moved, home);
+    stack.assert_counter("prefix_miss", 2);
+    assert_eq!(
+        served_rank(&stack.send(&chat_with(&system, "And again"))),
+        moved,
+        "the prefix was not re-recorded on its new rank"
+    );
+    stack.assert_counter("prefix_hit", 2);
+    println!("prefix on rank {home}; rank killed, one 503, entries forgotten, now on rank {moved}");
+}
