@@ -399,6 +399,7 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
         "block_tokens",
         "max_blocks",
         "min_match_blocks",
+        "sticky_blocks",
         "grid_bits",
         "table",
     ];
@@ -410,6 +411,7 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
             "block_tokens" => k.block_tokens = as_u32(path, v)?,
             "max_blocks" => k.max_blocks = as_u32(path, v)?,
             "min_match_blocks" => k.min_match_blocks = as_u32(path, v)?,
+            "sticky_blocks" => k.sticky_blocks = as_u32(path, v)?,
             "grid_bits" => k.grid_bits = as_u32(path, v)?,
             _ => read_table(path, v, &mut r.table)?,
         }
@@ -1077,7 +1079,7 @@ mod tests {
 
         let c = parse(
             r#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":256,"block_tokens":32,
-                "max_blocks":64,"min_match_blocks":2,"grid_bits":3,
+                "max_blocks":64,"min_match_blocks":2,"sticky_blocks":4,"grid_bits":3,
                 "table":{"buckets":1024,"ways":8,"ttl_seconds":600,"refresh_seconds":5,
                          "cas_retries":3,"namespace":"px"}}}"#,
         )
@@ -1090,9 +1092,10 @@ mod tests {
                 p.block_tokens,
                 p.max_blocks,
                 p.min_match_blocks,
+                p.sticky_blocks,
                 p.grid_bits
             ),
-            (256, 32, 64, 2, 3)
+            (256, 32, 64, 2, 4, 3)
         );
         assert_eq!(
             (
@@ -1156,6 +1159,7 @@ mod tests {
                 r#"{"prefix":{"max_blocks":8,"min_match_blocks":9}}"#,
                 "prefix.min_match_blocks",
             ),
+            (r#"{"prefix":{"sticky_blocks":0}}"#, "prefix.sticky_blocks"),
             (r#"{"prefix":{"grid_bits":0}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":9}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":1.5}}"#, "prefix.grid_bits"),

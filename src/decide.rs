@@ -203,10 +203,12 @@ pub enum PrefixChoice {
 /// no in-flight counts, so a match is never full (Envoy's balancer only sees the requests that
 /// reach it without a cluster header).
 ///
-/// The bound is the one new keys get (`assign.load_factor`), not the looser bound of a pinned
-/// key: a prefix match is a guess that the rank's cache holds the prompt's start, often shared by
-/// many conversations (one system prompt), and piling all of them onto one rank is what the
-/// tighter bound prevents.
+/// Which bound makes a rank full depends on the match's depth. Below `prefix.sticky_blocks` it is
+/// the one new keys get (`assign.load_factor`): a short match is often a prefix shared by many
+/// conversations (one system prompt), and piling all of them onto one rank is what the tighter
+/// bound prevents. From `sticky_blocks` on it is the looser bound of a pinned key
+/// (`assign.pinned_load_factor`): such a match is typically one conversation's own history, and
+/// moving it recomputes thousands of tokens.
 pub fn prefix_choice(
     cfg: &Config,
     m: &Match,
@@ -219,10 +221,15 @@ pub fn prefix_choice(
         _ => return PrefixChoice::Miss,
     };
     let blocks = m.blocks;
+    // A deep match is a conversation's own history: it stays like a pin. A shallow one is often a
+    // prefix shared by many conversations: it yields like a new key (see `sticky_blocks`).
+    let bound = if blocks >= cfg.prefix.sticky_blocks as usize {
+        cfg.assign.pinned_bound
+    } else {
+        cfg.assign.new_key_bound
+    };
     match states {
-        Some(st) if !keep_pin(st, now, rank, cfg.assign.new_key_bound) => {
-            PrefixChoice::SkippedFull { rank, blocks }
-        }
+        Some(st) if !keep_pin(st, now, rank, bound) => PrefixChoice::SkippedFull { rank, blocks },
         _ => PrefixChoice::Hit { rank, blocks },
     }
 }
@@ -735,6 +742,23 @@ mod tests {
         assert_eq!(
             prefix_choice(&c, &matched(8, 2), None, 0),
             PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // A match of sticky_blocks (16 by default) or more yields only at the pinned bound. With
+        // 4 in flight, 2 of them on rank 2: the new-key capacity is ceil(1.25 × 5 / 4) = 2 (full),
+        // the pinned one ceil(2.0 × 5 / 4) = 3 (not full).
+        let two = states(&[(2, 0), (0, 0), (2, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&two), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 },
+            "a shallow match yields at the new-key bound"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(16, 2), Some(&two), 0),
+            PrefixChoice::Hit {
+                rank: 2,
+                blocks: 16
+            },
+            "a deep match stays until the pinned bound"
         );
         // The default floor (min_capacity 8) keeps a quiet rank usable.
         let floored = cfg(r#","assign":{"mode":"hash"}"#);

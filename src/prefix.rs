@@ -142,6 +142,9 @@ pub struct PrefixConfig {
     pub max_blocks: u32,
     /// A match shorter than this many blocks does not count (no position below it is indexed).
     pub min_match_blocks: u32,
+    /// A match at least this deep keeps its rank under the looser bound of a pinned key
+    /// (`assign.pinned_load_factor`); shallower matches get the bound of a new key.
+    pub sticky_blocks: u32,
     /// Indexed positions have at most this many significant bits (see the module doc): more bits,
     /// more precise matches, more entries written per chain and one more read per search.
     pub grid_bits: u32,
@@ -156,6 +159,11 @@ impl Default for PrefixConfig {
     ///   popular shared prefix from piling requests onto one rank is the load bound applied to
     ///   the matched rank, not this threshold; a higher one would mostly delay the stickiness of
     ///   short keyless conversations by a turn.
+    /// - `sticky_blocks` 16 (8 KiB, ~2k tokens): below it a match is typically a shared system
+    ///   prompt or few-shot preamble that many conversations start with, and piling them all on
+    ///   its rank would unbalance the ranks: such matches yield at the new-key bound. A match this
+    ///   deep is typically one conversation's own history, whose loss costs thousands of tokens
+    ///   of prefill: it stays like a key's pin, until the looser pinned bound.
     /// - Index: 65,536 buckets × 16 ways (16 MiB, the affinity table's geometry): a bucket read
     ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 14
     ///   entries per chain: room for ~75,000 long prompts, more short ones.
@@ -166,6 +174,7 @@ impl Default for PrefixConfig {
             block_tokens: 64,
             max_blocks: 128,
             min_match_blocks: 1,
+            sticky_blocks: 16,
             grid_bits: 2,
             table: TableConfig {
                 buckets: 65_536,
@@ -200,6 +209,9 @@ impl PrefixConfig {
         }
         if !(1..=self.max_blocks).contains(&self.min_match_blocks) {
             return bad("min_match_blocks", "must be in 1..=max_blocks");
+        }
+        if !(1..=MAX_BLOCKS_LIMIT).contains(&self.sticky_blocks) {
+            return bad("sticky_blocks", "must be in 1..=4096");
         }
         if !(1..=8).contains(&self.grid_bits) {
             return bad("grid_bits", "must be in 1..=8");
