@@ -19,7 +19,7 @@ chart), with traces, per-request records and Envoy logs under results/affinity-<
 
   scripts/bench-affinity.py                  # both suites (`make bench` runs this)
   scripts/bench-affinity.py --suite keyed    # one suite
-  scripts/bench-affinity.py --quick          # 4 ranks, a few policies, a short workload
+  scripts/bench-affinity.py --quick          # 4 ranks, 4 policies (one keyless), a short workload
   scripts/bench-affinity.py --quick --check
       # the smoke test of `make test`: fails (exit 1) unless every run completed without errors
       # and the filter's token hit rate beats Envoy round robin. Never a timing assertion.
@@ -141,7 +141,7 @@ def configurations(suite, quick, trace):
                 "workload": workload, "policies": policies, "goal": goal}
 
     if quick:
-        return [cfg("4 ranks", 4, ["filter-hash-bounded", "filter-learn", "envoy-rr"], keyed_goal)]
+        return [cfg("4 ranks", 4, ["filter-hash-bounded", "filter-learn", "filter-prefix", "envoy-rr"], keyed_goal)]
     out = []
     if suite in ("keyed", "all"):
         out += [
