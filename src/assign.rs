@@ -5,6 +5,7 @@
 //! replica with the same configuration computes the same rendezvous order without talking to the
 //! others; only the load bound depends on the replica's own view of in-flight requests.
 
+use crate::hash::fmix64;
 use crate::ranks::RankStates;
 
 /// How a new key (or a keyless request) is placed.
@@ -20,15 +21,6 @@ pub enum Mode {
     RoundRobin,
     /// `bootstrap_room % dp_size` from the body (SGLang PD); other requests as `LeastInflight`.
     BootstrapRoom,
-}
-
-/// 64-bit finaliser (MurmurHash3 fmix64): a bijection that spreads every input bit.
-fn fmix64(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
 }
 
 /// Rendezvous weight of `rank` for `key`: the highest weight wins. Depends only on the seed, the

@@ -5,6 +5,17 @@
 //! evict everyone else's pins. SipHash is the standard answer to hash flooding; the 1-3 variant is
 //! what Rust's own `HashMap` uses and costs tens of nanoseconds for a typical key.
 
+/// The MurmurHash3 64-bit finaliser: a bijection that spreads every input bit over the output.
+/// Not keyed by itself; callers mix it with keyed values (rendezvous weights, prefix blocks).
+#[inline]
+pub fn fmix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
 /// A SipHash-1-3 key derived once from the configured seed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyedHasher {

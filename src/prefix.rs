@@ -114,7 +114,7 @@
 use std::cell::Cell;
 
 use crate::config::{ConfigError, TableConfig};
-use crate::hash::KeyedHasher;
+use crate::hash::{fmix64, KeyedHasher};
 use crate::json_scan::{ScanError, Scanner, Value};
 use crate::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
 
@@ -327,16 +327,6 @@ impl PrefixHasher {
     fn model_key(&self, model: Option<&[u8]>) -> u64 {
         model.map_or(self.no_model, |m| self.model.hash(m))
     }
-}
-
-/// The murmur3 64-bit finaliser: a bijection with full avalanche.
-#[inline]
-fn fmix64(mut k: u64) -> u64 {
-    k ^= k >> 33;
-    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    k ^= k >> 33;
-    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    k ^ (k >> 33)
 }
 
 /// One lane absorbing one word (see the module doc).
@@ -693,13 +683,23 @@ fn walk_messages(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sc
         return s.skip_value();
     }
     c.begin(Domain::Chat);
+    each_object(s, c, walk_message)
+}
+
+/// Walks an array whose elements should be objects, calling `walk` on each; any other element
+/// makes the prompt unusable (and is skipped).
+fn each_object(
+    s: &mut Scanner<'_>,
+    c: &mut ChainBuilder<'_>,
+    walk: fn(&mut Scanner<'_>, &mut ChainBuilder<'_>) -> Result<(), ScanError>,
+) -> Result<(), ScanError> {
     if !enter(s, b'[', b']')? {
         return Ok(());
     }
     loop {
         s.skip_ws();
         if s.peek() == Some(b'{') {
-            walk_message(s, c)?;
+            walk(s, c)?;
         } else {
             c.unusable();
             s.skip_value()?;
@@ -792,21 +792,7 @@ fn walk_content(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sca
 
 /// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text parts, in order.
 fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-    if !enter(s, b'[', b']')? {
-        return Ok(());
-    }
-    loop {
-        s.skip_ws();
-        if s.peek() == Some(b'{') {
-            walk_part(s, c)?;
-        } else {
-            c.unusable();
-            s.skip_value()?;
-        }
-        if !array_next(s)? {
-            return Ok(());
-        }
-    }
+    each_object(s, c, walk_part)
 }
 
 fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
