@@ -1064,7 +1064,7 @@ impl PrefixIndex {
     /// searched as the module doc describes. Found entries older than `refresh_seconds` are
     /// refreshed (one write each, with the token of the read).
     pub fn longest_match(&self, store: &dyn Store, chain: &[u64], now: u32, dp_size: u32) -> Match {
-        let counting = Counting::new(store);
+        let counting = CountingStore::new(store);
         let pos = self.positions(chain.len());
         let found = search(pos.len(), |i| {
             let h = *chain.get(*pos.get(i)? as usize - 1)?;
@@ -1173,24 +1173,35 @@ fn search(t: usize, mut probe: impl FnMut(usize) -> Option<u32>) -> Option<(usiz
     Some(best)
 }
 
-/// Counts the store calls the table makes on our behalf.
-struct Counting<'s> {
+/// A store that counts the calls made through it (the index's reads and writes, for `Match`, the
+/// host's counters and the tests).
+pub struct CountingStore<'s> {
     inner: &'s dyn Store,
     reads: Cell<u32>,
     writes: Cell<u32>,
 }
 
-impl<'s> Counting<'s> {
-    fn new(inner: &'s dyn Store) -> Self {
-        Counting {
+impl<'s> CountingStore<'s> {
+    pub fn new(inner: &'s dyn Store) -> Self {
+        CountingStore {
             inner,
             reads: Cell::new(0),
             writes: Cell::new(0),
         }
     }
+
+    /// Reads made through this store so far.
+    pub fn reads(&self) -> u32 {
+        self.reads.get()
+    }
+
+    /// Writes made through this store so far.
+    pub fn writes(&self) -> u32 {
+        self.writes.get()
+    }
 }
 
-impl Store for Counting<'_> {
+impl Store for CountingStore<'_> {
     fn get(&self, key: &str) -> Stored {
         self.reads.set(self.reads.get() + 1);
         self.inner.get(key)
@@ -2022,24 +2033,6 @@ mod tests {
             .collect()
     }
 
-    /// Counts the writes that reach the store.
-    struct CountingStore<'a> {
-        inner: &'a MemStore,
-        writes: Cell<u32>,
-        reads: Cell<u32>,
-    }
-
-    impl Store for CountingStore<'_> {
-        fn get(&self, key: &str) -> Stored {
-            self.reads.set(self.reads.get() + 1);
-            self.inner.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            self.writes.set(self.writes.get() + 1);
-            self.inner.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn default_grid() {
         let idx = PrefixIndex::new(&PrefixConfig::default());
@@ -2118,11 +2111,7 @@ mod tests {
         let s = MemStore::default();
         let idx = PrefixIndex::new(&index_cfg(64, 16));
         idx.table().ensure_buckets(&s);
-        let counted = CountingStore {
-            inner: &s,
-            writes: Cell::new(0),
-            reads: Cell::new(0),
-        };
+        let counted = CountingStore::new(&s);
         let conv = random_chain(1, 128, &[], 0);
         let mut now = 1000;
         let mut total_writes = 0;

@@ -17,7 +17,7 @@ use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key,
 use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::metrics::Counter;
-use crate::prefix::{Api, Chain, Match, PrefixIndex};
+use crate::prefix::{Api, Chain, CountingStore, Match, PrefixIndex};
 use crate::ranks::{BoardEvents, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
@@ -47,36 +47,33 @@ impl Store for SharedData {
 /// Built per operation: the counts also tell whether an operation wrote anything.
 struct IndexStore<'c> {
     counters: &'c Counters,
-    reads: Cell<u32>,
-    writes: Cell<u32>,
+    store: CountingStore<'static>,
 }
 
 impl<'c> IndexStore<'c> {
     fn new(counters: &'c Counters) -> Self {
         IndexStore {
             counters,
-            reads: Cell::new(0),
-            writes: Cell::new(0),
+            store: CountingStore::new(&SharedData),
         }
     }
 }
 
 impl Store for IndexStore<'_> {
     fn get(&self, key: &str) -> Stored {
-        self.reads.set(self.reads.get() + 1);
-        SharedData.get(key)
+        self.store.get(key)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        self.writes.set(self.writes.get() + 1);
-        SharedData.set(key, value, cas)
+        self.store.set(key, value, cas)
     }
 }
 
 impl Drop for IndexStore<'_> {
     fn drop(&mut self) {
-        self.counters.add(Counter::PrefixReads, self.reads.get());
-        self.counters.add(Counter::PrefixWrites, self.writes.get());
+        self.counters.add(Counter::PrefixReads, self.store.reads());
+        self.counters
+            .add(Counter::PrefixWrites, self.store.writes());
     }
 }
 
@@ -788,7 +785,7 @@ impl Filter {
         let store = IndexStore::new(&rt.counters);
         let events = idx.forget(&store, state.chain.hashes(), rank, &all);
         rt.counters.add_index_events(events);
-        if store.writes.get() > 0 {
+        if store.store.writes() > 0 {
             rt.counters.add(Counter::PrefixForgotten, 1);
             info!(
                 "[{}] rank {rank} failed; its prefix entries of this prompt forgotten",
