@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
 """What the filter costs per request, through a real Envoy against the same upstream.
 
-One Envoy process (--concurrency 2, 127.0.0.1 only, no access log) with five listeners. Four of
-them proxy to the same upstream (the fifth listener, U: Envoy's buffer filter reads the whole
+One Envoy process (--concurrency 2, 127.0.0.1 only, no access log) with seven listeners. Six of
+them proxy to the same upstream (the seventh listener, U: Envoy's buffer filter reads the whole
 request body, then a direct response answers 200), so every variant pays the same upstream hop
 and the only difference is the filter chain in front of the router:
 
-  A  plain Envoy: router -> upstream (the baseline of every ratio)
-  N  a no-op proxy-wasm filter (scripts/bench-noop-wasm.sh): what any wasm filter costs here
-  B  dp_affinity (assign.mode hash, dp_size 4): the routing key from a header, or from the body
-  H  Envoy's native hash routing: weighted_clusters + use_hash_policy on the key header
+  A   plain Envoy: router -> upstream (the baseline of every ratio)
+  N   a no-op proxy-wasm filter (scripts/bench-noop-wasm.sh): what any wasm filter costs here
+  NB  the same no-op filter reading the whole body once: what any body-routing wasm filter costs
+  B   dp_affinity (assign.mode hash, dp_size 4): the routing key from a header, or from the body
+  P   dp_affinity as B with prefix placement on, sent bodies with no routing key: the prompt is
+      hashed into blocks and matched against the prefix index (issue 6's path)
+  H   Envoy's native hash routing: weighted_clusters + use_hash_policy on the key header
 
 Variants (wrk with a Lua script that every variant shares; keys from a set of 1000):
   header     GET with x-smg-routing-key            A, N, B, H
-  body-1k    POST a 1 KiB chat body, routing_key last (the whole body is scanned)   A, B
-  body-64k   the same at 64 KiB                                                     A, B
-  body-1m    the same at 1 MiB                                                      A, B
+  body-1k    POST a 1 KiB chat body, routing_key last (the whole body is scanned)   A, NB, B, P
+  body-64k   the same at 64 KiB                                                     A, NB, B, P
+  body-1m    the same at 1 MiB                                                      A, NB, B, P
+P gets the same bodies without the routing_key member (16 distinct prompts, each resent).
 
 Two loads, alternated in rounds (medians reported): `sat` (wrk -t1 -c16: the 2 cores saturated,
 for requests/s) and `c1` (one connection: p50/p99 is the time a request takes, so B/A at p50 is
 the filter's share). Ratios are to A measured in the same run: these machines are noisy.
-Goals: header path p50 <= 1.10 x A; 64 KiB body p50 <= 1.25 x A.
+Goals: header path p50 <= 1.10 x A; 64 KiB body p50 <= 1.25 x A (B); prefix placement at
+64 KiB adds at most 100 us to plain Envoy's p50 (P).
 
   scripts/bench-overhead.py [--quick] [--out results]
 """
@@ -43,8 +48,12 @@ from envoy_gen import cluster, wasm_filter  # noqa: E402
 TAG = "bench-overhead"
 KEYS = 1000
 BODY_VARIANTS = 16
+BODY_VARIANTS_RUN = ("A", "NB", "B", "P")
 SIZES = {"body-1k": 1024, "body-64k": 64 * 1024, "body-1m": 1024 * 1024}
 GOALS = {"header": 1.10, "body-64k": 1.25}
+# Issue 6: prefix placement adds at most this much to plain Envoy's p50, at 64 KiB.
+PREFIX_GOAL_US = {"body-64k": 100}
+PREFIX_PLUGIN = {"dp_size": 4, "assign": {"mode": "hash"}, "prefix": {"enabled": True}}
 
 LUA = r"""
 -- args: mode (header | body), body file prefix, number of body files
@@ -79,10 +88,13 @@ end
 """
 
 
-def chat_body(size, key):
-    """A chat-completions body of about `size` bytes with `routing_key` as the LAST member."""
-    head = '{"model":"mock-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"'
-    tail = f'"}}],"max_tokens":16,"routing_key":"{key}"}}'
+def chat_body(size, key, conversation):
+    """A chat-completions body of about `size` bytes with `routing_key` as the LAST member (none
+    when `key` is None). The user text opens with the conversation's number, so prompts differ
+    from their first block on."""
+    head = ('{"model":"mock-model","messages":[{"role":"system","content":"You are a helpful assistant."},'
+            f'{{"role":"user","content":"conversation {conversation}: ')
+    tail = '"}],"max_tokens":16' + (f',"routing_key":"{key}"}}' if key is not None else "}")
     words = "the quick brown fox jumps over the lazy dog while \\\"quoted\\\" text\\n flows on "
     fill = size - len(head) - len(tail)
     text = (words * (fill // len(words) + 1))[:max(fill, 0)]
@@ -142,7 +154,10 @@ def config(ports, admin, noop_wasm):
     listeners = (
         listener("plain", ports["A"], "", plain)
         + listener("noop", ports["N"], wasm_filter(noop_wasm, "{}", vm_id="noop"), plain)
+        + listener("noopbody", ports["NB"], wasm_filter(noop_wasm, "body", vm_id="noopbody"), plain)
         + listener("filter", ports["B"], wasm_filter(bc.WASM, plugin), filtered)
+        + listener("prefix", ports["P"], wasm_filter(bc.WASM, json.dumps(PREFIX_PLUGIN), vm_id="prefix"),
+                   filtered)
         + listener("hash", ports["H"], "", hashed)
         + listener("upstream", ports["U"], buffer, upstream)
     )
@@ -179,7 +194,7 @@ def variants(only=None):
     for size in SIZES:
         if only and size not in only:
             continue
-        out += [(size, k, "body") for k in ("A", "B")]
+        out += [(size, k, "body") for k in BODY_VARIANTS_RUN]
     return out
 
 
@@ -206,13 +221,14 @@ def main():
     rng = random.Random(3)
     for name, size in SIZES.items():
         for i in range(1, BODY_VARIANTS + 1):
-            body = chat_body(size, f"conv-{rng.getrandbits(64):016x}")
-            json.loads(body)  # the bench must send valid JSON, or it measures the malformed path
-            with open(os.path.join(workdir, f"{name}-{i}.json"), "w") as f:
-                f.write(body)
+            key = f"conv-{rng.getrandbits(64):016x}"
+            for suffix, body in (("", chat_body(size, key, i)), ("nokey-", chat_body(size, None, i))):
+                json.loads(body)  # the bench must send valid JSON, or it measures the malformed path
+                with open(os.path.join(workdir, f"{name}-{suffix}{i}.json"), "w") as f:
+                    f.write(body)
     noop = subprocess.run(["bash", os.path.join(bc.ROOT, "scripts/bench-noop-wasm.sh")],
                           capture_output=True, text=True, check=True).stdout.strip()
-    ports = {k: bc.free_port() for k in "ANBHU"}
+    ports = {k: bc.free_port() for k in ("A", "N", "NB", "B", "P", "H", "U")}
     began = time.time()
     results = []
     with bc.Children() as children:
@@ -220,7 +236,7 @@ def main():
         hz = os.sysconf("SC_CLK_TCK")
 
         def run(size, key, mode, load, secs, label):
-            prefix = os.path.join(workdir, f"{size}-") if mode == "body" else ""
+            prefix = os.path.join(workdir, f"{size}-{'nokey-' if key == 'P' else ''}") if mode == "body" else ""
             t0 = cpu_ticks(proc.pid)
             r = wrk(ports[key], mode, load, secs, workdir, prefix)
             r["cpu_us"] = (cpu_ticks(proc.pid) - t0) / hz * 1e6 / max(r["requests"], 1)
@@ -268,7 +284,8 @@ def noise_lines(results):
     return out or ["- plain Envoy's rounds agree within 15 % (req/s and p50, every request kind)"]
 
 
-NAMES = {"A": "plain Envoy", "N": "no-op wasm filter", "B": "dp_affinity", "H": "Envoy native hash"}
+NAMES = {"A": "plain Envoy", "N": "no-op wasm filter", "NB": "no-op wasm filter reading the body",
+         "B": "dp_affinity", "P": "dp_affinity, prefix on, no key", "H": "Envoy native hash"}
 
 
 def markdown(results, counters, meta):
@@ -276,8 +293,9 @@ def markdown(results, counters, meta):
         "## Overhead through Envoy (same upstream)", "",
         f"- date: {meta['date']}; machine: {meta['machine']}",
         f"- command: `{meta['command']}` ({meta['runs']}); total {meta['total_s']:.0f} s; raw data in `{meta['workdir']}`",
-        "- one Envoy (--concurrency 2): listeners A plain, N no-op wasm, B dp_affinity, H native hash, all",
-        "  proxying to listener U of the same process (buffer filter + direct response); wrk on the same 2 cores",
+        "- one Envoy (--concurrency 2): listeners A plain, N no-op wasm, NB no-op wasm reading the body,",
+        "  B dp_affinity, P dp_affinity with prefix placement (keyless bodies), H native hash, all proxying",
+        "  to listener U of the same process (buffer filter + direct response); wrk on the same 2 cores",
         "- req/s from `wrk -t1 -c16` (saturated); p50/p99 from `wrk -t1 -c1` (one request in flight);",
         "  medians over the rounds; × A = ratio to plain Envoy with the same request in the same run",
         "", "| request | variant | req/s | × A | p50 | × A | Δp50 | p99 | × A | Envoy CPU/req | goal |",
@@ -286,7 +304,7 @@ def markdown(results, counters, meta):
     for size in ["header", *SIZES]:
         base = {f: median_of(results, size, "A", l, f) for f, l in
                 (("rps", "sat"), ("p50_us", "c1"), ("p99_us", "c1"))}
-        for key in ("A", "N", "B", "H"):
+        for key in ("A", "N", "NB", "B", "P", "H"):
             rps = median_of(results, size, key, "sat", "rps")
             if rps is None:
                 continue
@@ -297,12 +315,15 @@ def markdown(results, counters, meta):
             goal = ""
             if key == "B" and size in GOALS:
                 goal = f"{'met' if ratio <= GOALS[size] else '**missed**'} (p50 ≤ {GOALS[size]:.2f}×)"
+            if key == "P" and size in PREFIX_GOAL_US:
+                added, bound = p50 - base["p50_us"], PREFIX_GOAL_US[size]
+                goal = f"{'met' if added <= bound else '**missed**'} (Δp50 ≤ {bound} µs)"
             lines.append(
                 f"| {size} | {key} {NAMES[key]} | {rps:.0f} | {rps / base['rps']:.2f} | {p50:.0f} µs | {ratio:.2f} "
                 f"| {p50 - base['p50_us']:+.0f} µs | {p99:.0f} µs | {p99 / base['p99_us']:.2f} | {cpu:.1f} µs | {goal} |"
             )
     lines += [""] + noise_lines(results)
-    lines += ["", "Filter counters over the whole run (B): " + ", ".join(
+    lines += ["", "Filter counters over the whole run (B and P): " + ", ".join(
         f"{k} {v}" for k, v in sorted(counters.items()) if v), ""]
     return "\n".join(lines)
 
