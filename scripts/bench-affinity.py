@@ -65,6 +65,11 @@ POLICIES = {
     "envoy-lr": policy("Envoy LEAST_REQUEST over all ranks"),
     "envoy-hash": policy("Envoy weighted_clusters + use_hash_policy on the key header"),
 }
+# For exploring knobs (never in a reported run): BENCH_PREFIX_SET='{"assign": {...}, "prefix": {...}}'
+# is merged into filter-prefix's sections.
+if os.environ.get("BENCH_PREFIX_SET"):
+    for section, extra in json.loads(os.environ["BENCH_PREFIX_SET"]).items():
+        POLICIES["filter-prefix"][section] = {**(POLICIES["filter-prefix"][section] or {}), **extra}
 KEYED_ALL = ["filter-learn", "filter-hash", "filter-hash-bounded", "envoy-rr", "envoy-lr", "envoy-hash"]
 PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr"]
 PREFIX_SHORT = ["filter-prefix", "envoy-rr"]

@@ -400,6 +400,7 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
         "max_blocks",
         "min_match_blocks",
         "sticky_blocks",
+        "shared_slack",
         "grid_bits",
         "table",
     ];
@@ -412,6 +413,7 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
             "max_blocks" => k.max_blocks = as_u32(path, v)?,
             "min_match_blocks" => k.min_match_blocks = as_u32(path, v)?,
             "sticky_blocks" => k.sticky_blocks = as_u32(path, v)?,
+            "shared_slack" => k.shared_slack = as_u32(path, v)?,
             "grid_bits" => k.grid_bits = as_u32(path, v)?,
             _ => read_table(path, v, &mut r.table)?,
         }
@@ -1080,6 +1082,7 @@ mod tests {
         let c = parse(
             r#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":256,"block_tokens":32,
                 "max_blocks":64,"min_match_blocks":2,"sticky_blocks":4,"grid_bits":3,
+                "shared_slack":0,
                 "table":{"buckets":1024,"ways":8,"ttl_seconds":600,"refresh_seconds":5,
                          "cas_retries":3,"namespace":"px"}}}"#,
         )
@@ -1093,9 +1096,10 @@ mod tests {
                 p.max_blocks,
                 p.min_match_blocks,
                 p.sticky_blocks,
-                p.grid_bits
+                p.grid_bits,
+                p.shared_slack
             ),
-            (256, 32, 64, 2, 4, 3)
+            (256, 32, 64, 2, 4, 3, 0)
         );
         assert_eq!(
             (
@@ -1160,6 +1164,11 @@ mod tests {
                 "prefix.min_match_blocks",
             ),
             (r#"{"prefix":{"sticky_blocks":0}}"#, "prefix.sticky_blocks"),
+            (
+                r#"{"prefix":{"shared_slack":65537}}"#,
+                "prefix.shared_slack",
+            ),
+            (r#"{"prefix":{"shared_slack":-1}}"#, "prefix.shared_slack"),
             (r#"{"prefix":{"grid_bits":0}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":9}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":1.5}}"#, "prefix.grid_bits"),

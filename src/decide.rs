@@ -4,7 +4,7 @@
 //! The host layer feeds facts in and turns the returned `Decision` / [`Placement`] into header
 //! changes and local replies; nothing here performs an action.
 
-use crate::assign::{keep_pin, room_rank, Mode};
+use crate::assign::{busier_than_least, keep_pin, room_rank, Mode};
 use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
 use crate::prefix::{Api, Chain, Match};
@@ -196,6 +196,10 @@ pub enum PrefixChoice {
     /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound
     /// (`assign.load_factor`, `assign.min_capacity`) or cooling down: the next choice decides.
     SkippedFull { rank: u32, blocks: usize },
+    /// The match stops at a branched position (a prefix other prompts share, see `prefix`) and
+    /// `rank` has more than `prefix.shared_slack` requests in flight beyond the least loaded
+    /// usable rank: the next choice places the request by load.
+    Spread { rank: u32, blocks: usize },
 }
 
 /// The prefix stage on a lookup's result. `states`: the shared rank state when the filter counts
@@ -209,6 +213,12 @@ pub enum PrefixChoice {
 /// bound prevents. From `sticky_blocks` on it is the looser bound of a pinned key
 /// (`assign.pinned_load_factor`): such a match is typically one conversation's own history, and
 /// moving it recomputes thousands of tokens.
+///
+/// A match on a branched position is a prefix other prompts share, not this prompt's own
+/// history: any rank can compute it once and serve it from then on, so it keeps its rank only
+/// while that rank is about as idle as the least loaded one (`prefix.shared_slack`). Without
+/// this, every prompt opening with a popular system prompt would go to the rank that saw it
+/// first, until that rank is full.
 pub fn prefix_choice(
     cfg: &Config,
     m: &Match,
@@ -230,6 +240,9 @@ pub fn prefix_choice(
     };
     match states {
         Some(st) if !keep_pin(st, now, rank, bound) => PrefixChoice::SkippedFull { rank, blocks },
+        Some(st) if m.branched && busier_than_least(st, now, rank, cfg.prefix.shared_slack) => {
+            PrefixChoice::Spread { rank, blocks }
+        }
         _ => PrefixChoice::Hit { rank, blocks },
     }
 }
@@ -702,8 +715,9 @@ mod tests {
 
     #[test]
     fn prefix_choice_rules() {
-        let c =
-            cfg(r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"min_match_blocks":2}"#);
+        let c = cfg(
+            r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"min_match_blocks":2,"sticky_blocks":16}"#,
+        );
         let idle = states(&[(0, 0); 4]);
         assert_eq!(
             prefix_choice(&c, &Match::default(), Some(&idle), 0),
@@ -743,7 +757,7 @@ mod tests {
             prefix_choice(&c, &matched(8, 2), None, 0),
             PrefixChoice::Hit { rank: 2, blocks: 8 }
         );
-        // A match of sticky_blocks (16 by default) or more yields only at the pinned bound. With
+        // A match of sticky_blocks (16 here) or more yields only at the pinned bound. With
         // 4 in flight, 2 of them on rank 2: the new-key capacity is ceil(1.25 × 5 / 4) = 2 (full),
         // the pinned one ceil(2.0 × 5 / 4) = 3 (not full).
         let two = states(&[(2, 0), (0, 0), (2, 0), (0, 0)]);
@@ -764,6 +778,70 @@ mod tests {
         let floored = cfg(r#","assign":{"mode":"hash"}"#);
         assert_eq!(
             prefix_choice(&floored, &matched(8, 2), Some(&busy), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+    }
+
+    #[test]
+    fn a_shared_prefix_yields_to_a_less_loaded_rank() {
+        // Floor 8: no rank is full below; only the shared-prefix rule can move the request.
+        let c = cfg(r#","assign":{"mode":"hash"},"prefix":{"shared_slack":1}"#);
+        let shared = |blocks, rank| Match {
+            branched: true,
+            ..matched(blocks, rank)
+        };
+        // Rank 2 has 2 in flight, the least loaded usable rank 0 (rank 3 is down, not counted).
+        let st = states(&[(0, 0), (1, 0), (2, 0), (0, 50)]);
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 2), Some(&st), 10),
+            PrefixChoice::Spread { rank: 2, blocks: 8 },
+            "2 more in flight than the least loaded rank: over a slack of 1"
+        );
+        assert_eq!(
+            prefix_choice(&c, &shared(40, 1), Some(&st), 10),
+            PrefixChoice::Hit {
+                rank: 1,
+                blocks: 40
+            },
+            "within the slack, at any depth"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&st), 10),
+            PrefixChoice::Hit { rank: 2, blocks: 8 },
+            "a conversation's own history (not branched) is not spread"
+        );
+        // The default slack 0: only a rank tied with the least loaded keeps a shared prefix.
+        let strict = cfg(r#","assign":{"mode":"hash"}"#);
+        assert_eq!(
+            prefix_choice(&strict, &shared(8, 1), Some(&st), 10),
+            PrefixChoice::Spread { rank: 1, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&strict, &shared(8, 0), Some(&st), 10),
+            PrefixChoice::Hit { rank: 0, blocks: 8 }
+        );
+        // The default sticky_blocks 1: an unbranched match of any depth stays until the pinned
+        // bound. Rank 2 with 1 of 2 in flight, floor 1: the new-key capacity ceil(1.25 × 3 / 4)
+        // = 1 is reached, the pinned one ceil(2.0 × 3 / 4) = 2 is not.
+        let own = cfg(r#","assign":{"mode":"hash","min_capacity":1}"#);
+        let one = states(&[(1, 0), (0, 0), (1, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&own, &matched(2, 2), Some(&one), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 2 },
+        );
+        let shallow =
+            cfg(r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"sticky_blocks":16}"#);
+        assert_eq!(
+            prefix_choice(&shallow, &matched(2, 2), Some(&one), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 2 },
+        );
+        // Once rank 3 is back and idle it is the least loaded; in envoy mode nothing is counted.
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 1), Some(&st), 50),
+            PrefixChoice::Hit { rank: 1, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 2), None, 10),
             PrefixChoice::Hit { rank: 2, blocks: 8 }
         );
     }

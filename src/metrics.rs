@@ -29,6 +29,7 @@ pub enum Counter {
     PrefixHit,
     PrefixMiss,
     PrefixSkippedFull,
+    PrefixSpread,
     PrefixHitBlocks1To3,
     PrefixHitBlocks4To15,
     PrefixHitBlocks16To63,
@@ -41,7 +42,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 34] = [
+    pub const ALL: [Counter; 35] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -67,6 +68,7 @@ impl Counter {
         Counter::PrefixHit,
         Counter::PrefixMiss,
         Counter::PrefixSkippedFull,
+        Counter::PrefixSpread,
         Counter::PrefixHitBlocks1To3,
         Counter::PrefixHitBlocks4To15,
         Counter::PrefixHitBlocks16To63,
@@ -106,6 +108,7 @@ impl Counter {
             Counter::PrefixHit => "dp_affinity.prefix_hit",
             Counter::PrefixMiss => "dp_affinity.prefix_miss",
             Counter::PrefixSkippedFull => "dp_affinity.prefix_skipped_full",
+            Counter::PrefixSpread => "dp_affinity.prefix_spread",
             Counter::PrefixHitBlocks1To3 => "dp_affinity.prefix_hit_blocks_1_3",
             Counter::PrefixHitBlocks4To15 => "dp_affinity.prefix_hit_blocks_4_15",
             Counter::PrefixHitBlocks16To63 => "dp_affinity.prefix_hit_blocks_16_63",

@@ -110,13 +110,27 @@
 //! Each hash maps to one rank: the last to record a position beyond what it matched. A request
 //! placed elsewhere than its match (the matched rank was full) records only the positions beyond
 //! the match, so a position keeps pointing at a rank that holds at least that prefix.
+//!
+//! # Shared prefixes and a conversation's own history
+//!
+//! A match means two different things. A conversation's next turn matches the deepest position
+//! its previous turn recorded: moving it elsewhere recomputes its whole history. A new prompt that
+//! opens with a popular system prompt or document matches where that prefix ends: every rank can
+//! compute it once and then serve it, and sending all such prompts to the rank that happened to
+//! see the prefix first would pile them up there. The index tells them apart with one flag per
+//! entry: when a request records positions beyond its match, the matched position is marked
+//! *branched* (a prompt went on past it). A later request whose match stops at a branched
+//! position is therefore not that prompt's continuation (it would have matched deeper) but
+//! another prompt sharing the prefix; `decide::prefix_choice` places it by load among equally
+//! good ranks (`prefix.shared_slack`). A conversation's own turns keep matching unmarked
+//! positions: each turn marks the position it matched, and the next turn matches deeper.
 
 use std::cell::Cell;
 
 use crate::config::{ConfigError, TableConfig};
 use crate::hash::{fmix64, KeyedHasher};
 use crate::json_scan::{ScanError, Scanner, Value};
-use crate::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
+use crate::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED};
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
@@ -126,6 +140,9 @@ use crate::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents
 pub const MAX_BLOCKS_LIMIT: u32 = 4096;
 /// Largest accepted `block_bytes`.
 pub const MAX_BLOCK_BYTES: u32 = 1 << 16;
+/// Largest accepted `shared_slack` (in requests: anything near it means "never spread").
+pub const MAX_SHARED_SLACK: u32 = 1 << 16;
+
 /// Largest accepted `block_tokens`.
 pub const MAX_BLOCK_TOKENS: u32 = 1 << 14;
 
@@ -145,6 +162,10 @@ pub struct PrefixConfig {
     /// A match at least this deep keeps its rank under the looser bound of a pinned key
     /// (`assign.pinned_load_factor`); shallower matches get the bound of a new key.
     pub sticky_blocks: u32,
+    /// A match on a branched position (a prefix other prompts share) keeps its rank only while
+    /// that rank has at most this many more requests in flight than the least loaded usable
+    /// rank; otherwise the request is placed by load like a new one.
+    pub shared_slack: u32,
     /// Indexed positions have at most this many significant bits (see the module doc): more bits,
     /// more precise matches, more entries written per chain and one more read per search.
     pub grid_bits: u32,
@@ -159,11 +180,16 @@ impl Default for PrefixConfig {
     ///   popular shared prefix from piling requests onto one rank is the load bound applied to
     ///   the matched rank, not this threshold; a higher one would mostly delay the stickiness of
     ///   short keyless conversations by a turn.
-    /// - `sticky_blocks` 16 (8 KiB, ~2k tokens): below it a match is typically a shared system
-    ///   prompt or few-shot preamble that many conversations start with, and piling them all on
-    ///   its rank would unbalance the ranks: such matches yield at the new-key bound. A match this
-    ///   deep is typically one conversation's own history, whose loss costs thousands of tokens
-    ///   of prefill: it stays like a key's pin, until the looser pinned bound.
+    /// - `sticky_blocks` 1: every match that is not on a branched position (a shared prefix, see
+    ///   the module doc) is taken for a conversation's own history, whose loss costs its whole
+    ///   prefill: it stays like a key's pin, until the looser pinned bound. Shared prefixes are
+    ///   told apart by the branched flag, not by depth; a higher value makes shallow matches
+    ///   yield at the new-key bound too (for deployments whose conversations are known to be
+    ///   long and whose short prefixes are all shared).
+    /// - `shared_slack` 0: a prefix other prompts share (see the module doc) is computed once
+    ///   per rank and then served from every cache, so it only decides between equally loaded
+    ///   ranks; a popular system prompt does not pile its conversations onto one rank. Raise it
+    ///   when shared prefixes are long and caches small (each copy costs cache space).
     /// - Index: 65,536 buckets × 16 ways (16 MiB, the affinity table's geometry): a bucket read
     ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 14
     ///   entries per chain: room for ~75,000 long prompts, more short ones.
@@ -174,7 +200,8 @@ impl Default for PrefixConfig {
             block_tokens: 64,
             max_blocks: 128,
             min_match_blocks: 1,
-            sticky_blocks: 16,
+            sticky_blocks: 1,
+            shared_slack: 0,
             grid_bits: 2,
             table: TableConfig {
                 buckets: 65_536,
@@ -212,6 +239,9 @@ impl PrefixConfig {
         }
         if !(1..=MAX_BLOCKS_LIMIT).contains(&self.sticky_blocks) {
             return bad("sticky_blocks", "must be in 1..=4096");
+        }
+        if self.shared_slack > MAX_SHARED_SLACK {
+            return bad("shared_slack", "must be in 0..=65536");
         }
         if !(1..=8).contains(&self.grid_bits) {
             return bad("grid_bits", "must be in 1..=8");
@@ -1016,6 +1046,10 @@ pub struct Match {
     pub blocks: usize,
     /// The rank recorded at that position (always in `0..dp_size`); `None` = no match.
     pub rank: Option<u32>,
+    /// The position is marked branched: another prompt already continued past it, so this
+    /// request shares only this prefix with others (a system prompt, a document) and is not that
+    /// prompt's next turn.
+    pub branched: bool,
     /// Store reads made.
     pub reads: u32,
     /// Store writes made (refreshes of found entries older than `refresh_seconds`).
@@ -1068,23 +1102,26 @@ impl PrefixIndex {
         let pos = self.positions(chain.len());
         let found = search(pos.len(), |i| {
             let h = *chain.get(*pos.get(i)? as usize - 1)?;
-            match self.table.lookup(&counting, h, now, dp_size) {
-                Lookup::Hit { rank } => Some(rank),
-                Lookup::Miss | Lookup::Undecodable => None,
+            match self.table.lookup_flagged(&counting, h, now, dp_size) {
+                (Lookup::Hit { rank }, flags) => Some((rank, flags & FLAG_BRANCHED != 0)),
+                (Lookup::Miss | Lookup::Undecodable, _) => None,
             }
         });
         Match {
             blocks: found
                 .and_then(|(i, _)| pos.get(i))
                 .map_or(0, |&p| p as usize),
-            rank: found.map(|(_, rank)| rank),
+            rank: found.map(|(_, (rank, _))| rank),
+            branched: found.is_some_and(|(_, (_, branched))| branched),
             reads: counting.reads.get(),
             refreshes: counting.writes.get(),
         }
     }
 
     /// Records `chain` under `rank`: writes the indexed positions beyond `matched` (the lookup's
-    /// result for this chain; `Match::default()` if none was made), bottom up.
+    /// result for this chain; `Match::default()` if none was made), bottom up. When it writes
+    /// any, the matched position is marked branched (once): this prompt went on past it, so a
+    /// later request whose match stops there is a different prompt sharing that prefix.
     pub fn record(
         &self,
         store: &dyn Store,
@@ -1094,18 +1131,26 @@ impl PrefixIndex {
         matched: &Match,
     ) -> TableEvents {
         let mut events = TableEvents::default();
+        let mut wrote = false;
         for &p in self.positions(chain.len()) {
             if p as usize <= matched.blocks {
                 continue;
             }
             if let Some(&h) = chain.get(p as usize - 1) {
                 events.add(self.table.pin(store, h, rank, now));
+                wrote = true;
+            }
+        }
+        if wrote && !matched.branched {
+            if let Some(&h) = matched.blocks.checked_sub(1).and_then(|i| chain.get(i)) {
+                events.add(self.table.mark(store, h, FLAG_BRANCHED, now));
             }
         }
         events
     }
 
-    /// How many entries [`record`](Self::record) would write.
+    /// How many positions [`record`](Self::record) would write (0: it would write nothing, not
+    /// even the branched mark).
     pub fn writes_needed(&self, chain_len: usize, matched: &Match) -> usize {
         self.positions(chain_len)
             .iter()
@@ -1145,7 +1190,7 @@ fn on_grid(p: u32, bits: u32) -> bool {
 /// The deepest present index in `0..t`, presence being monotone (present up to some index,
 /// absent above), with `probe(i)` returning the rank stored at index `i`. Order: the top, the
 /// one below, the bottom, then a binary search between the bottom and the one below the top.
-fn search(t: usize, mut probe: impl FnMut(usize) -> Option<u32>) -> Option<(usize, u32)> {
+fn search<T: Copy>(t: usize, mut probe: impl FnMut(usize) -> Option<T>) -> Option<(usize, T)> {
     let top = t.checked_sub(1)?;
     if let Some(rank) = probe(top) {
         return Some((top, rank));
@@ -2107,6 +2152,44 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_branching_from_a_shared_prefix_sees_it_branched() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        let conv = |tag, len| random_chain(tag, len, &system, 8);
+        // The first conversation records from scratch: nothing is branched yet.
+        let a1 = conv(10, 11);
+        idx.record(&s, &a1, 0, 1000, &Match::default());
+        // A second one matches the system prompt (8 blocks, on rank 0), unbranched: it may be the
+        // first one's continuation, as far as the index can tell.
+        let b = conv(20, 13);
+        let m = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), false));
+        // It went on past the match (recorded 12 under rank 1), so position 8 is now branched.
+        idx.record(&s, &b, 1, 1000, &m);
+        let c = conv(30, 12);
+        let m = idx.longest_match(&s, &c, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
+        // The first conversation's own 3 blocks past the system prompt reach no grid position
+        // (8, then 12): its next turn cannot be told from a new prompt, and what it can lose by
+        // being spread is those unindexed blocks.
+        let a2 = random_chain(10, 14, &a1, 11);
+        let m = idx.longest_match(&s, &a2, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
+        // Once its own part is indexed (12, recorded by this turn on rank 2), the next turn
+        // matches it, unbranched, and so does every later one.
+        idx.record(&s, &a2, 2, 1000, &m);
+        let a3 = random_chain(10, 20, &a2, 14);
+        let m = idx.longest_match(&s, &a3, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (12, Some(2), false));
+        idx.record(&s, &a3, 2, 1000, &m);
+        let a4 = random_chain(10, 30, &a3, 20);
+        let m = idx.longest_match(&s, &a4, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
+    }
+
+    #[test]
     fn record_writes_only_what_changed() {
         let s = MemStore::default();
         let idx = PrefixIndex::new(&index_cfg(64, 16));
@@ -2115,6 +2198,7 @@ mod tests {
         let conv = random_chain(1, 128, &[], 0);
         let mut now = 1000;
         let mut total_writes = 0;
+        let mut marks = 0;
         let mut prev = 0;
         // A conversation growing by 3 blocks a turn, from 5 blocks to the cap and beyond.
         for len in (5..=140).step_by(3) {
@@ -2137,17 +2221,26 @@ mod tests {
                 }
             }
             prev = turn.len();
+            // The conversation's own turns never match a branched position: each one marks the
+            // position it matched, and the next one matches deeper.
+            assert!(!m.branched, "len {len}");
             counted.writes.set(0);
             idx.record(&counted, turn, 1, now, &m);
-            assert_eq!(
-                counted.writes.get() as usize,
-                idx.writes_needed(turn.len(), &m)
-            );
-            total_writes += counted.writes.get();
+            let needed = idx.writes_needed(turn.len(), &m);
+            let mark = usize::from(needed > 0 && m.blocks > 0);
+            assert_eq!(counted.writes.get() as usize, needed + mark);
+            total_writes += needed;
+            marks += mark;
         }
         assert_eq!(
             total_writes, 14,
             "each grid position written once over the conversation"
+        );
+        // Turns after the first that crossed grid positions (at 8, 14, 17, 26, 32, 50, 65, 98
+        // and 128 blocks) each marked the position they matched: one write more apiece.
+        assert_eq!(
+            marks, 9,
+            "every turn that went past its match marked it, once"
         );
         // Fully matched: nothing to write.
         let m = idx.longest_match(&counted, &conv, now, 4);

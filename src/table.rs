@@ -2,7 +2,9 @@
 //! compare-and-swap (Envoy shared data in production, an in-memory map in tests).
 //!
 //! Layout: `buckets` store keys, each holding up to `ways` entries of 16 bytes:
-//! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank: u16 LE | reserved: u16`.
+//! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank: u16 LE | flags: u16 LE`.
+//! The affinity table writes no flags; the prefix index marks positions other prompts branched
+//! from ([`FLAG_BRANCHED`]). Entries written before flags existed read as flag-free.
 //! Memory is therefore `buckets × ways × 16` bytes of values whatever clients send.
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
@@ -30,11 +32,16 @@ pub trait Store {
 
 const ENTRY: usize = 16;
 
+/// Entry flag: a prompt continued past this prefix-index position after a lookup stopped there,
+/// so a request whose match stops here shares only this prefix with others (see `prefix`).
+pub const FLAG_BRANCHED: u16 = 1;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     hash: u64,
     last_used: u32,
     rank: u16,
+    flags: u16,
 }
 
 impl Entry {
@@ -42,10 +49,12 @@ impl Entry {
         let hash = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
         let last_used = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?);
         let rank = u16::from_le_bytes(b.get(12..14)?.try_into().ok()?);
+        let flags = u16::from_le_bytes(b.get(14..16)?.try_into().ok()?);
         Some(Entry {
             hash,
             last_used,
             rank,
+            flags,
         })
     }
 
@@ -53,7 +62,7 @@ impl Entry {
         out.extend_from_slice(&self.hash.to_le_bytes());
         out.extend_from_slice(&self.last_used.to_le_bytes());
         out.extend_from_slice(&self.rank.to_le_bytes());
-        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&self.flags.to_le_bytes());
     }
 }
 
@@ -187,14 +196,25 @@ impl AffinityTable {
     /// Looks `hash` up; a hit whose recency is older than `refresh_seconds` is refreshed
     /// (one best-effort compare-and-swap: a lost race means someone else just wrote the bucket).
     pub fn lookup(&self, store: &dyn Store, hash: u64, now: u32, dp_size: u32) -> Lookup {
+        self.lookup_flagged(store, hash, now, dp_size).0
+    }
+
+    /// [`lookup`](Self::lookup), with the hit's entry flags (0 when there is no hit).
+    pub fn lookup_flagged(
+        &self,
+        store: &dyn Store,
+        hash: u64,
+        now: u32,
+        dp_size: u32,
+    ) -> (Lookup, u16) {
         let key = self.bucket_key(self.bucket_of(hash));
         let (value, cas) = store.get(&key);
         let Some(mut bytes) = value else {
-            return Lookup::Miss;
+            return (Lookup::Miss, 0);
         };
         // Read the entries where they lie (the hot path: no decoding into a new vector).
         if !bytes.len().is_multiple_of(ENTRY) {
-            return Lookup::Undecodable;
+            return (Lookup::Undecodable, 0);
         }
         let ways = self.cfg.ways as usize;
         let found = bytes
@@ -202,29 +222,31 @@ impl AffinityTable {
             .take(ways)
             .position(|chunk| chunk.get(0..8) == Some(&hash.to_le_bytes()[..]));
         let Some(pos) = found else {
-            return Lookup::Miss;
+            return (Lookup::Miss, 0);
         };
         let at = pos * ENTRY;
         let Some(e) = bytes.get(at..at + ENTRY).and_then(Entry::decode) else {
-            return Lookup::Miss;
+            return (Lookup::Miss, 0);
         };
         if !self.is_live(&e, now) || u32::from(e.rank) >= dp_size {
-            return Lookup::Miss;
+            return (Lookup::Miss, 0);
         }
         if now.saturating_sub(e.last_used) >= self.cfg.refresh_seconds.max(1) && cas.is_some() {
             // Rewrite only the timestamp, in the copy we already own.
             bytes[at + 8..at + 12].copy_from_slice(&now.to_le_bytes());
             let _ = store.set(&key, &bytes, cas);
         }
-        Lookup::Hit {
+        let hit = Lookup::Hit {
             rank: u32::from(e.rank),
-        }
+        };
+        (hit, e.flags)
     }
 
     /// Pins `hash` to `rank`, evicting the least recently used entry if the bucket is full.
     pub fn pin(&self, store: &dyn Store, hash: u64, rank: u32, now: u32) -> TableEvents {
         let rank = u16::try_from(rank).unwrap_or(u16::MAX);
         self.update(store, hash, |entries, ways, events| {
+            // An existing entry keeps its flags: they describe the prompt, not the rank.
             if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
                 e.rank = rank;
                 e.last_used = now;
@@ -242,8 +264,25 @@ impl AffinityTable {
                 hash,
                 last_used: now,
                 rank,
+                flags: 0,
             });
             true
+        })
+    }
+
+    /// Sets `flag` on the live entry of `hash`, if there is one without it (no write otherwise).
+    pub fn mark(&self, store: &dyn Store, hash: u64, flag: u16, now: u32) -> TableEvents {
+        self.update(store, hash, |entries, _, _| {
+            match entries
+                .iter_mut()
+                .find(|e| e.hash == hash && self.is_live(e, now))
+            {
+                Some(e) if e.flags & flag == 0 => {
+                    e.flags |= flag;
+                    true
+                }
+                _ => false,
+            }
         })
     }
 
@@ -458,6 +497,7 @@ pub mod tests {
                 hash: 99,
                 last_used: 5,
                 rank: 1,
+                flags: 0,
             }
             .encode_into(&mut v);
             store.raw_set(&key, v);
@@ -494,12 +534,45 @@ pub mod tests {
                 hash: i,
                 last_used: 5,
                 rank: 0,
+                flags: 0,
             }
             .encode_into(&mut big);
         }
         s.raw_set(&key, big);
         assert_eq!(t.lookup(&s, 3, 5, 4), Lookup::Hit { rank: 0 });
         assert_eq!(t.lookup(&s, 8, 5, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn flags_are_set_once_and_survive_repins() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        // Nothing to mark: no entry, so no write.
+        assert_eq!(t.mark(&s, 42, FLAG_BRANCHED, 5), TableEvents::default());
+        assert!(s.get(&t.bucket_key(0)).0.is_none());
+        t.pin(&s, 42, 1, 5);
+        t.pin(&s, 43, 2, 5);
+        assert_eq!(t.lookup_flagged(&s, 42, 5, 4), (Lookup::Hit { rank: 1 }, 0));
+        t.mark(&s, 42, FLAG_BRANCHED, 5);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 5, 4),
+            (Lookup::Hit { rank: 1 }, FLAG_BRANCHED)
+        );
+        assert_eq!(t.lookup_flagged(&s, 43, 5, 4), (Lookup::Hit { rank: 2 }, 0));
+        // Already set: no write (the CAS token does not move).
+        let cas = s.get(&t.bucket_key(0)).1;
+        t.mark(&s, 42, FLAG_BRANCHED, 5);
+        assert_eq!(s.get(&t.bucket_key(0)).1, cas);
+        // A re-pin (even to another rank) keeps the flag; a miss reports none.
+        t.pin(&s, 42, 3, 6);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 6, 4),
+            (Lookup::Hit { rank: 3 }, FLAG_BRANCHED)
+        );
+        assert_eq!(t.lookup_flagged(&s, 42, 6, 3), (Lookup::Miss, 0));
+        // An expired entry is not marked.
+        t.pin(&s, 44, 0, 0);
+        t.mark(&s, 44, FLAG_BRANCHED, 10_000);
+        assert_eq!(t.lookup_flagged(&s, 44, 1, 4), (Lookup::Hit { rank: 0 }, 0));
     }
 
     #[test]

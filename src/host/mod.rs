@@ -134,6 +134,7 @@ impl Counters {
             }
             Some(PrefixChoice::Miss) => self.add(Counter::PrefixMiss, 1),
             Some(PrefixChoice::SkippedFull { .. }) => self.add(Counter::PrefixSkippedFull, 1),
+            Some(PrefixChoice::Spread { .. }) => self.add(Counter::PrefixSpread, 1),
         }
     }
 
