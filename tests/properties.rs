@@ -24,8 +24,10 @@ use proptest::sample::select;
 use serde_json::Value as J;
 
 use dp_affinity::config::{Config, TableConfig};
+use dp_affinity::decide::decide_body_with_prefix;
 use dp_affinity::extract::scan_body;
 use dp_affinity::json_scan::{scan_top_level, Value};
+use dp_affinity::prefix::Api;
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
 
 /// Cases per property, unless `PROPTEST_CASES` says otherwise.
@@ -1226,7 +1228,7 @@ fn unpin_reports_removed_only_when_written() {
 // 3. The configuration parser on random input
 // =============================================================================================
 
-const TOP_FIELDS: [&str; 9] = [
+const TOP_FIELDS: [&str; 10] = [
     "dp_size",
     "assign",
     "explicit_rank",
@@ -1236,6 +1238,7 @@ const TOP_FIELDS: [&str; 9] = [
     "learn",
     "echo_header",
     "table",
+    "prefix",
 ];
 
 fn section_fields(name: &str) -> &'static [&'static str] {
@@ -1273,6 +1276,17 @@ fn section_fields(name: &str) -> &'static [&'static str] {
             "refresh_seconds",
             "cas_retries",
             "namespace",
+        ],
+        "prefix" => &[
+            "enabled",
+            "block_bytes",
+            "block_tokens",
+            "max_blocks",
+            "min_match_blocks",
+            "sticky_blocks",
+            "shared_slack",
+            "grid_bits",
+            "table",
         ],
         _ => &[],
     }
@@ -1381,11 +1395,12 @@ fn config_document() -> impl Strategy<Value = J> {
         opt(section("learn")),
         opt(field_value().boxed()),
         opt(section("table")),
+        opt(section("prefix")),
         proptest::option::weighted(0.05, (config_string(), config_any())),
     )
-        .prop_map(|(dp, a, e, k, b, t, l, echo, tbl, stray)| {
+        .prop_map(|(dp, a, e, k, b, t, l, echo, tbl, px, stray)| {
             let mut obj = serde_json::Map::new();
-            for (name, v) in TOP_FIELDS.iter().zip([dp, a, e, k, b, t, l, echo, tbl]) {
+            for (name, v) in TOP_FIELDS.iter().zip([dp, a, e, k, b, t, l, echo, tbl, px]) {
                 if let Some(v) = v {
                     obj.insert((*name).to_string(), v);
                 }
@@ -1413,11 +1428,19 @@ fn check_config_result(bytes: &[u8]) {
             assert!(c.key.max_bytes >= 1 && c.body.max_bytes >= 1);
             assert!(c.learn.upstream_addresses.values().all(|&r| r < c.dp_size));
             assert!(c.body.wanted_fields.iter().all(|f| !f.is_empty()));
+            let p = &c.prefix;
+            assert!((16..=65536).contains(&p.block_bytes) && (1..=16384).contains(&p.block_tokens));
+            assert!((1..=p.max_blocks).contains(&p.min_match_blocks) && p.max_blocks <= 4096);
+            assert!((1..=4096).contains(&p.sticky_blocks) && p.shared_slack <= 65536);
+            assert!((1..=8).contains(&p.grid_bits) && (1..=64).contains(&p.table.ways));
+            assert_ne!(p.table.namespace, c.table.namespace);
             // A config that parses also drives the request path without panicking.
             let _ = scan_body(
                 &c,
                 br#"{"routed_dp_rank":0,"routing_key":"k","bootstrap_room":1}"#,
             );
+            let chat = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
+            let _ = decide_body_with_prefix(&c, chat, None, true, Some(Api::Chat));
         }
         Err(e) => {
             // The field path is empty for an unknown member named "" (see
