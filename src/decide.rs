@@ -9,7 +9,7 @@ use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
 use crate::prefix::{Api, Chain, Match};
 use crate::ranks::RankStates;
-use crate::table::{AffinityTable, Lookup, Store};
+use crate::table::{self, AffinityTable, Lookup, Store};
 
 /// Why a request was left to the fallback. Each maps to one counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,8 +215,9 @@ pub enum PrefixChoice {
 /// moving it recomputes thousands of tokens.
 ///
 /// A match on a branched position is a prefix other prompts share, not this prompt's own
-/// history: any rank can compute it once and serve it from then on, so it keeps its rank only
-/// while that rank is about as idle as the least loaded one (`prefix.shared_slack`). Without
+/// history: any rank can compute it once and serve it from then on, so it keeps its rank (the
+/// least loaded of the ranks known to hold it) only while that rank is about as idle as the
+/// least loaded one (`prefix.shared_slack`). Without
 /// this, every prompt opening with a popular system prompt would go to the rank that saw it
 /// first, until that rank is full.
 pub fn prefix_choice(
@@ -231,6 +232,11 @@ pub fn prefix_choice(
         _ => return PrefixChoice::Miss,
     };
     let blocks = m.blocks;
+    // A shared prefix may be held by other ranks too: the least loaded of them stands for it.
+    let rank = match states {
+        Some(st) if m.branched => least_loaded_holder(st, now, rank, m.holders, cfg.dp_size),
+        _ => rank,
+    };
     // A deep match is a conversation's own history: it stays like a pin. A shallow one is often a
     // prefix shared by many conversations: it yields like a new key (see `sticky_blocks`).
     let bound = if blocks >= cfg.prefix.sticky_blocks as usize {
@@ -303,6 +309,16 @@ pub fn place(
         placed,
         prefix: choice,
     }
+}
+
+/// Among `rank` and the ranks flagged in `holders` (below `dp_size`), the usable one with the
+/// fewest requests in flight; `rank` wins ties, and stands if none is usable.
+fn least_loaded_holder(st: &RankStates, now: u32, rank: u32, holders: u16, dp_size: u32) -> u32 {
+    std::iter::once(rank)
+        .chain(table::holders(holders).filter(|&r| r < dp_size && r != rank))
+        .filter(|&r| st.usable(r, now))
+        .min_by_key(|&r| st.inflight(r))
+        .unwrap_or(rank)
 }
 
 /// Builds the 400 answer for an invalid explicit rank, in OpenAI's error shape.
@@ -834,6 +850,39 @@ mod tests {
         assert_eq!(
             prefix_choice(&shallow, &matched(2, 2), Some(&one), 0),
             PrefixChoice::SkippedFull { rank: 2, blocks: 2 },
+        );
+        // Ranks known to hold the prefix stand for it: the least loaded of them is taken (rank 0,
+        // idle, over the entry's rank 2); an unusable holder (3, down) or one out of range is not.
+        let held = Match {
+            holders: table::holder_flag(0) | table::holder_flag(3) | table::holder_flag(9),
+            ..shared(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &held, Some(&st), 10),
+            PrefixChoice::Hit { rank: 0, blocks: 8 }
+        );
+        let busy_holder = Match {
+            holders: table::holder_flag(1),
+            ..shared(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &busy_holder, Some(&st), 10),
+            PrefixChoice::Hit { rank: 1, blocks: 8 },
+            "holder 1 (1 in flight) is within the slack of the least loaded rank"
+        );
+        assert_eq!(
+            prefix_choice(&strict, &busy_holder, Some(&st), 10),
+            PrefixChoice::Spread { rank: 1, blocks: 8 },
+            "with slack 0 even the best holder yields to the idle rank 0"
+        );
+        // Not branched: holders are not consulted (a conversation's own rank).
+        let own_held = Match {
+            holders: table::holder_flag(0),
+            ..matched(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &own_held, Some(&st), 10),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
         );
         // Once rank 3 is back and idle it is the least loaded; in envoy mode nothing is counted.
         assert_eq!(

@@ -124,13 +124,18 @@
 //! another prompt sharing the prefix; `decide::prefix_choice` places it by load among equally
 //! good ranks (`prefix.shared_slack`). A conversation's own turns keep matching unmarked
 //! positions: each turn marks the position it matched, and the next turn matches deeper.
+//! Ranks that served a request sharing a position, other than the position's own, are
+//! remembered in the same flags (*holders*, ranks 0–14), so a shared prefix goes to the least
+//! loaded rank already holding it before it is copied to yet another one.
 
 use std::cell::Cell;
 
 use crate::config::{ConfigError, TableConfig};
 use crate::hash::{fmix64, KeyedHasher};
 use crate::json_scan::{ScanError, Scanner, Value};
-use crate::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED};
+use crate::table::{
+    holder_flag, AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
@@ -1050,6 +1055,9 @@ pub struct Match {
     /// request shares only this prefix with others (a system prompt, a document) and is not that
     /// prompt's next turn.
     pub branched: bool,
+    /// Holder flags of that position ([`holder_flag`]): other ranks known to hold the prefix too
+    /// (requests sharing it were served there).
+    pub holders: u16,
     /// Store reads made.
     pub reads: u32,
     /// Store writes made (refreshes of found entries older than `refresh_seconds`).
@@ -1103,7 +1111,7 @@ impl PrefixIndex {
         let found = search(pos.len(), |i| {
             let h = *chain.get(*pos.get(i)? as usize - 1)?;
             match self.table.lookup_flagged(&counting, h, now, dp_size) {
-                (Lookup::Hit { rank }, flags) => Some((rank, flags & FLAG_BRANCHED != 0)),
+                (Lookup::Hit { rank }, flags) => Some((rank, flags)),
                 (Lookup::Miss | Lookup::Undecodable, _) => None,
             }
         });
@@ -1112,7 +1120,8 @@ impl PrefixIndex {
                 .and_then(|(i, _)| pos.get(i))
                 .map_or(0, |&p| p as usize),
             rank: found.map(|(_, (rank, _))| rank),
-            branched: found.is_some_and(|(_, (_, branched))| branched),
+            branched: found.is_some_and(|(_, (_, flags))| flags & FLAG_BRANCHED != 0),
+            holders: found.map_or(0, |(_, (_, flags))| flags & !FLAG_BRANCHED),
             reads: counting.reads.get(),
             refreshes: counting.writes.get(),
         }
@@ -1121,7 +1130,8 @@ impl PrefixIndex {
     /// Records `chain` under `rank`: writes the indexed positions beyond `matched` (the lookup's
     /// result for this chain; `Match::default()` if none was made), bottom up. When it writes
     /// any, the matched position is marked branched (once): this prompt went on past it, so a
-    /// later request whose match stops there is a different prompt sharing that prefix.
+    /// later request whose match stops there is a different prompt sharing that prefix. Served
+    /// elsewhere than the match's rank, `rank` is added to the matched position's holders.
     pub fn record(
         &self,
         store: &dyn Store,
@@ -1141,21 +1151,27 @@ impl PrefixIndex {
                 wrote = true;
             }
         }
-        if wrote && !matched.branched {
+        let flags = marks_needed(matched, rank, wrote);
+        if flags != 0 {
             if let Some(&h) = matched.blocks.checked_sub(1).and_then(|i| chain.get(i)) {
-                events.add(self.table.mark(store, h, FLAG_BRANCHED, now));
+                events.add(self.table.mark(store, h, flags, now));
             }
         }
         events
     }
 
-    /// How many positions [`record`](Self::record) would write (0: it would write nothing, not
-    /// even the branched mark).
+    /// How many positions [`record`](Self::record) would write.
     pub fn writes_needed(&self, chain_len: usize, matched: &Match) -> usize {
         self.positions(chain_len)
             .iter()
             .filter(|&&p| p as usize > matched.blocks)
             .count()
+    }
+
+    /// Whether [`record`](Self::record) under `rank` would write anything (positions or flags).
+    pub fn record_needed(&self, chain_len: usize, matched: &Match, rank: u32) -> bool {
+        let wrote = self.writes_needed(chain_len, matched) > 0;
+        wrote || marks_needed(matched, rank, wrote) != 0
     }
 
     /// After `rank` failed this request: removes the matched positions that still point at it,
@@ -1179,6 +1195,22 @@ impl PrefixIndex {
         }
         events
     }
+}
+
+/// The flags recording under `rank` adds to the matched position (0: none): branched when the
+/// prompt went on past it, `rank` as a holder when it is not the position's rank.
+fn marks_needed(matched: &Match, rank: u32, wrote: bool) -> u16 {
+    let Some(own) = matched.rank.filter(|_| matched.blocks > 0) else {
+        return 0;
+    };
+    let mut flags = 0;
+    if wrote && !matched.branched {
+        flags |= FLAG_BRANCHED;
+    }
+    if own != rank {
+        flags |= holder_flag(rank) & !matched.holders;
+    }
+    flags
 }
 
 /// Whether `p` has at most `bits` significant bits.
@@ -2187,6 +2219,36 @@ mod tests {
         let a4 = random_chain(10, 30, &a3, 20);
         let m = idx.longest_match(&s, &a4, 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
+    }
+
+    #[test]
+    fn ranks_serving_a_shared_prefix_become_its_holders() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        let conv = |tag| random_chain(tag, 13, &system, 8);
+        idx.record(&s, &conv(10), 0, 1000, &Match::default());
+        let m = idx.longest_match(&s, &conv(20), 1000, 4);
+        idx.record(&s, &conv(20), 0, 1000, &m);
+        // Branched now; a third prompt served on rank 2 makes rank 2 a holder of position 8.
+        let m = idx.longest_match(&s, &conv(30), 1000, 4);
+        assert_eq!((m.rank, m.branched, m.holders), (Some(0), true, 0));
+        assert!(idx.record_needed(13, &m, 2));
+        idx.record(&s, &conv(30), 2, 1000, &m);
+        let m = idx.longest_match(&s, &conv(40), 1000, 4);
+        assert_eq!(
+            (m.rank, m.branched, m.holders),
+            (Some(0), true, holder_flag(2))
+        );
+        // Served on a rank already known (or the entry's own): nothing to add.
+        let m2 = Match { blocks: 8, ..m };
+        let short = &conv(40)[..8];
+        assert!(!idx.record_needed(short.len(), &m2, 2));
+        assert!(!idx.record_needed(short.len(), &m2, 0));
+        assert!(idx.record_needed(short.len(), &m2, 3));
+        // Ranks from 15 on have no holder flag: nothing to write for them either.
+        assert!(!idx.record_needed(short.len(), &m2, 15));
     }
 
     #[test]

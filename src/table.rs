@@ -4,7 +4,8 @@
 //! Layout: `buckets` store keys, each holding up to `ways` entries of 16 bytes:
 //! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank: u16 LE | flags: u16 LE`.
 //! The affinity table writes no flags; the prefix index marks positions other prompts branched
-//! from ([`FLAG_BRANCHED`]). Entries written before flags existed read as flag-free.
+//! from ([`FLAG_BRANCHED`]) and the other ranks known to hold them ([`holder_flag`]). Entries
+//! written before flags existed read as flag-free.
 //! Memory is therefore `buckets × ways × 16` bytes of values whatever clients send.
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
@@ -35,6 +36,24 @@ const ENTRY: usize = 16;
 /// Entry flag: a prompt continued past this prefix-index position after a lookup stopped there,
 /// so a request whose match stops here shares only this prefix with others (see `prefix`).
 pub const FLAG_BRANCHED: u16 = 1;
+
+/// Ranks below this have a holder flag.
+pub const HOLDER_RANKS: u32 = 15;
+
+/// Entry flag: rank `rank` (besides the entry's own) holds the prefix. Ranks from
+/// [`HOLDER_RANKS`] on have none (0): the flags field has 15 bits to spare.
+pub fn holder_flag(rank: u32) -> u16 {
+    if rank < HOLDER_RANKS {
+        1 << (rank + 1)
+    } else {
+        0
+    }
+}
+
+/// The ranks whose holder flag is set in `flags`, ascending.
+pub fn holders(flags: u16) -> impl Iterator<Item = u32> {
+    (0..HOLDER_RANKS).filter(move |&r| flags & holder_flag(r) != 0)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
@@ -270,15 +289,15 @@ impl AffinityTable {
         })
     }
 
-    /// Sets `flag` on the live entry of `hash`, if there is one without it (no write otherwise).
-    pub fn mark(&self, store: &dyn Store, hash: u64, flag: u16, now: u32) -> TableEvents {
+    /// Sets the bits of `flags` on the live entry of `hash`, if it lacks any (no write otherwise).
+    pub fn mark(&self, store: &dyn Store, hash: u64, flags: u16, now: u32) -> TableEvents {
         self.update(store, hash, |entries, _, _| {
             match entries
                 .iter_mut()
                 .find(|e| e.hash == hash && self.is_live(e, now))
             {
-                Some(e) if e.flags & flag == 0 => {
-                    e.flags |= flag;
+                Some(e) if e.flags & flags != flags => {
+                    e.flags |= flags;
                     true
                 }
                 _ => false,
@@ -573,6 +592,29 @@ pub mod tests {
         t.pin(&s, 44, 0, 0);
         t.mark(&s, 44, FLAG_BRANCHED, 10_000);
         assert_eq!(t.lookup_flagged(&s, 44, 1, 4), (Lookup::Hit { rank: 0 }, 0));
+    }
+
+    #[test]
+    fn holder_flags_name_ranks_below_fifteen() {
+        assert_eq!(holder_flag(0), 2);
+        assert_eq!(holder_flag(14), 1 << 15);
+        assert_eq!(holder_flag(15), 0);
+        assert_eq!(holder_flag(u32::MAX), 0);
+        let flags = FLAG_BRANCHED | holder_flag(3) | holder_flag(14);
+        assert_eq!(holders(flags).collect::<Vec<_>>(), vec![3, 14]);
+        assert_eq!(holders(FLAG_BRANCHED).count(), 0);
+        // Several bits at once, and a second mark with one new bit writes again.
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.pin(&s, 42, 1, 5);
+        t.mark(&s, 42, FLAG_BRANCHED | holder_flag(2), 5);
+        let cas = s.get(&t.bucket_key(0)).1;
+        t.mark(&s, 42, holder_flag(2), 5);
+        assert_eq!(s.get(&t.bucket_key(0)).1, cas, "nothing new: no write");
+        t.mark(&s, 42, holder_flag(2) | holder_flag(0), 5);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 5, 4).1,
+            FLAG_BRANCHED | holder_flag(0) | holder_flag(2)
+        );
     }
 
     #[test]

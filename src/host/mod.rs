@@ -748,9 +748,10 @@ impl Filter {
             return;
         }
         state.recorded = Some(rank);
-        if idx.writes_needed(state.chain.len(), &state.matched) == 0 {
+        if !idx.record_needed(state.chain.len(), &state.matched, rank) {
             return;
         }
+        let new_positions = idx.writes_needed(state.chain.len(), &state.matched) > 0;
         let store = IndexStore::new(&rt.counters);
         let events = idx.record(
             &store,
@@ -760,7 +761,7 @@ impl Filter {
             &state.matched,
         );
         rt.counters.add_index_events(events);
-        if events.cas_exhausted == 0 {
+        if new_positions && events.cas_exhausted == 0 {
             rt.counters.add(Counter::PrefixRecorded, 1);
         }
     }
