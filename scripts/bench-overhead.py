@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the filter costs per request, through a real Envoy against the same upstream.
 
-One Envoy process (--concurrency 2, 127.0.0.1 only, no access log) with seven listeners. Six of
+One Envoy process (--concurrency 1, 127.0.0.1 only, no access log) with seven listeners. Six of
 them proxy to the same upstream (the seventh listener, U: Envoy's buffer filter reads the whole
 request body, then a direct response answers 200), so every variant pays the same upstream hop
 and the only difference is the filter chain in front of the router:
@@ -314,7 +314,12 @@ def main():
     interleaved_results = {}
     il_iterations = 300 if args.quick else 3000
     with bc.Children() as children:
-        proc, admin = bc.start_envoy(children, config(ports, bc.free_port(), noop), workdir, "envoy")
+        # One worker: a request, its upstream hop and the upstream's answer all run on one thread,
+        # for every variant. With two workers, whether a cluster's upstream connection was
+        # accepted by the same worker as the client's is chance, and a cross-thread hop costs
+        # 100-250 µs on these VMs: that chance, not the filter, decided the differences.
+        proc, admin = bc.start_envoy(children, config(ports, bc.free_port(), noop), workdir, "envoy",
+                                     concurrency=1)
         hz = os.sysconf("SC_CLK_TCK")
 
         def run(size, key, mode, load, secs, label):
@@ -409,7 +414,7 @@ def markdown(results, counters, meta):
         "## Overhead through Envoy (same upstream)", "",
         f"- date: {meta['date']}; machine: {meta['machine']}",
         f"- command: `{meta['command']}` ({meta['runs']}); total {meta['total_s']:.0f} s; raw data in `{meta['workdir']}`",
-        "- one Envoy (--concurrency 2): listeners A plain, N no-op wasm, NB no-op wasm reading the body,",
+        "- one Envoy (--concurrency 1): listeners A plain, N no-op wasm, NB no-op wasm reading the body,",
         "  B dp_affinity, P dp_affinity with prefix placement (keyless bodies), H native hash, all proxying",
         "  to listener U of the same process (buffer filter + direct response); clients on the same 2 cores",
         "",
