@@ -1,6 +1,7 @@
 //! End-to-end scenarios of prefix placement (issue 6, `prefix.enabled`): the compiled filter in
 //! a real Envoy (2 workers) in front of 4 mock ranks. Requests without a routing key that share a
 //! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
+//! a shared prefix yields to an idler rank while conversations stay on theirs;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
 //! (`cargo test --test prefix -- --nocapture` prints what each scenario measured.)
@@ -203,6 +204,74 @@ fn full_prefix_rank_is_avoided() {
     );
     stack.assert_counter("prefix_hit", 2);
     stack.assert_counter("explicit", HELD as u64);
+}
+
+/// A prompt sharing only a prefix that other prompts already went on past (a *branched* system
+/// prompt) yields to an idler rank when its rank is busy (`prefix_spread`), while a conversation's
+/// own next turn stays on its busy rank: the spread needs no full rank, only a busier one.
+#[test]
+fn shared_prefix_spreads_while_conversations_stay() {
+    let stack = Stack::start(
+        "prefix_shared_prefix_spreads",
+        // The default floor (min_capacity 8): one request in flight never makes a rank full.
+        StackOptions::new(prefix_config(
+            json!({ "assign": { "mode": "least_inflight" } }),
+        ))
+        .mock_args(&["--stream-interval-ms", "250"]),
+    );
+    let system = system_prompt("shared");
+    // User messages of 9 KiB: each prompt reaches indexed positions past the 32-block system
+    // prompt (48), so every conversation has its own entries.
+    let user = |tag: &str| format!("{tag}: ").repeat(9 * 1024 / (tag.len() + 2) + 1);
+    let home = served_rank(&stack.send(&chat_with(&system, &user("first conversation"))));
+    settle();
+    // The second conversation matches the system prompt (not branched yet), goes to its rank and
+    // marks it branched by recording its own positions past it.
+    assert_eq!(
+        served_rank(&stack.send(&chat_with(&system, &user("second conversation")))),
+        home
+    );
+    settle();
+    stack.assert_counter("prefix_spread", 0);
+
+    let addr = stack.addr();
+    let (third, next_turn) = std::thread::scope(|scope| {
+        let holder = scope.spawn(move || {
+            let request = Request::post("/v1/chat/completions")
+                .json(&json!({
+                    "model": "mock",
+                    "stream": true,
+                    "max_tokens": 12,
+                    "messages": [{ "role": "user", "content": "hold" }],
+                }))
+                .header(RANK_HEADER, &home.to_string());
+            assert_eq!(support::http::stream(addr, &request).status, 200);
+        });
+        std::thread::sleep(Duration::from_millis(600));
+        // One request in flight on `home`, none elsewhere.
+        let third = served_rank(&stack.send(&chat_with(&system, &user("third conversation"))));
+        let next_turn = served_rank(&stack.send(&Request::post("/v1/chat/completions").json(
+            &json!({
+                "model": "mock",
+                "messages": [
+                    { "role": "system", "content": system },
+                    { "role": "user", "content": user("first conversation") },
+                    { "role": "assistant", "content": "An answer." },
+                    { "role": "user", "content": "And then?" },
+                ],
+            }),
+        )));
+        holder.join().expect("holder thread");
+        (third, next_turn)
+    });
+    println!(
+        "system prompt on rank {home}; with one stream held there a third conversation went to \
+         {third}, the first conversation's next turn to {next_turn}"
+    );
+    assert_ne!(third, home, "a busy rank kept a shared prefix");
+    stack.assert_counter("prefix_spread", 1);
+    assert_eq!(next_turn, home, "a conversation left its rank");
+    stack.assert_counter("prefix_skipped_full", 0);
 }
 
 // ---------------------------------------------------------------- (d)
