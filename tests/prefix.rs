@@ -55,6 +55,20 @@ fn per_rank(ranks: impl IntoIterator<Item = u32>) -> Vec<usize> {
     counts
 }
 
+/// Streams 12 tokens (3 s with `--stream-interval-ms 250`) from `rank`, chosen explicitly so the
+/// request counts in flight there: how the scenarios make a rank busy.
+fn hold_stream(addr: std::net::SocketAddr, rank: u32) {
+    let request = Request::post("/v1/chat/completions")
+        .json(&json!({
+            "model": "mock",
+            "stream": true,
+            "max_tokens": 12,
+            "messages": [{ "role": "user", "content": "hold" }],
+        }))
+        .header(RANK_HEADER, &rank.to_string());
+    assert_eq!(support::http::stream(addr, &request).status, 200);
+}
+
 /// Lets `on_log` of the requests just answered release their in-flight slots.
 fn settle() {
     std::thread::sleep(Duration::from_millis(200));
@@ -168,20 +182,7 @@ fn full_prefix_rank_is_avoided() {
     let addr = stack.addr();
     let (avoided_to, after) = std::thread::scope(|scope| {
         let holders: Vec<_> = (0..HELD)
-            .map(|_| {
-                scope.spawn(move || {
-                    let request = Request::post("/v1/chat/completions")
-                        .json(&json!({
-                            "model": "mock",
-                            "stream": true,
-                            "max_tokens": 12,
-                            "messages": [{ "role": "user", "content": "hold" }],
-                        }))
-                        .header(RANK_HEADER, &home.to_string());
-                    let streamed = support::http::stream(addr, &request);
-                    assert_eq!(streamed.status, 200);
-                })
-            })
+            .map(|_| scope.spawn(move || hold_stream(addr, home)))
             .collect();
         std::thread::sleep(Duration::from_millis(600));
         let busy = served_rank(&stack.send(&chat_with(&system, "Third question, rank busy")));
@@ -236,17 +237,7 @@ fn shared_prefix_spreads_while_conversations_stay() {
 
     let addr = stack.addr();
     let (third, next_turn) = std::thread::scope(|scope| {
-        let holder = scope.spawn(move || {
-            let request = Request::post("/v1/chat/completions")
-                .json(&json!({
-                    "model": "mock",
-                    "stream": true,
-                    "max_tokens": 12,
-                    "messages": [{ "role": "user", "content": "hold" }],
-                }))
-                .header(RANK_HEADER, &home.to_string());
-            assert_eq!(support::http::stream(addr, &request).status, 200);
-        });
+        let holder = scope.spawn(move || hold_stream(addr, home));
         std::thread::sleep(Duration::from_millis(600));
         // One request in flight on `home`, none elsewhere.
         let third = served_rank(&stack.send(&chat_with(&system, &user("third conversation"))));
