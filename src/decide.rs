@@ -207,19 +207,17 @@ pub enum PrefixChoice {
 /// no in-flight counts, so a match is never full (Envoy's balancer only sees the requests that
 /// reach it without a cluster header).
 ///
-/// Which bound makes a rank full depends on the match's depth. Below `prefix.sticky_blocks` it is
-/// the one new keys get (`assign.load_factor`): a short match is often a prefix shared by many
-/// conversations (one system prompt), and piling all of them onto one rank is what the tighter
-/// bound prevents. From `sticky_blocks` on it is the looser bound of a pinned key
-/// (`assign.pinned_load_factor`): such a match is typically one conversation's own history, and
-/// moving it recomputes thousands of tokens.
+/// Which bound makes a rank full depends on the match's depth: from `prefix.sticky_blocks` on it
+/// is the looser bound of a pinned key (`assign.pinned_load_factor`), below it the one new keys
+/// get (`assign.load_factor`). The default `sticky_blocks` 1 gives every match the pinned bound:
+/// what tells a shared prefix from a conversation's own history is the branched flag below, and
+/// a deployment whose short prefixes are all shared can still raise it.
 ///
 /// A match on a branched position is a prefix other prompts share, not this prompt's own
 /// history: any rank can compute it once and serve it from then on, so it keeps its rank (the
 /// least loaded of the ranks known to hold it) only while that rank is about as idle as the
-/// least loaded one (`prefix.shared_slack`). Without
-/// this, every prompt opening with a popular system prompt would go to the rank that saw it
-/// first, until that rank is full.
+/// least loaded one (`prefix.shared_slack`). Without this, every prompt opening with a popular
+/// system prompt would go to the rank that saw it first, until that rank is full.
 pub fn prefix_choice(
     cfg: &Config,
     m: &Match,
@@ -237,8 +235,8 @@ pub fn prefix_choice(
         Some(st) if m.branched => least_loaded_holder(st, now, rank, m.holders, cfg.dp_size),
         _ => rank,
     };
-    // A deep match is a conversation's own history: it stays like a pin. A shallow one is often a
-    // prefix shared by many conversations: it yields like a new key (see `sticky_blocks`).
+    // At least `sticky_blocks` deep (every match, by default): it stays like a pin. Shallower: it
+    // yields like a new key.
     let bound = if blocks >= cfg.prefix.sticky_blocks as usize {
         cfg.assign.pinned_bound
     } else {
