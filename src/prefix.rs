@@ -1168,12 +1168,6 @@ impl PrefixIndex {
             .count()
     }
 
-    /// Whether [`record`](Self::record) under `rank` would write anything (positions or flags).
-    pub fn record_needed(&self, chain_len: usize, matched: &Match, rank: u32) -> bool {
-        let wrote = self.writes_needed(chain_len, matched) > 0;
-        wrote || marks_needed(matched, rank, wrote) != 0
-    }
-
     /// After `rank` failed this request: removes the matched positions that still point at it,
     /// top down, so the next request sharing the prefix is placed afresh. Entries re-pointed
     /// elsewhere since are kept. One read per position up to the match, a write per removal.
@@ -2234,8 +2228,16 @@ mod tests {
         // Branched now; a third prompt served on rank 2 makes rank 2 a holder of position 8.
         let m = idx.longest_match(&s, &conv(30), 1000, 4);
         assert_eq!((m.rank, m.branched, m.holders), (Some(0), true, 0));
-        assert!(idx.record_needed(13, &m, 2));
-        idx.record(&s, &conv(30), 2, 1000, &m);
+        let writes = |chain: &[u64], m: &Match, rank| {
+            let counted = CountingStore::new(&s);
+            idx.record(&counted, chain, rank, 1000, m);
+            counted.writes()
+        };
+        assert_eq!(
+            writes(&conv(30), &m, 2),
+            2,
+            "position 12, and the holder flag"
+        );
         let m = idx.longest_match(&s, &conv(40), 1000, 4);
         assert_eq!(
             (m.rank, m.branched, m.holders),
@@ -2244,11 +2246,11 @@ mod tests {
         // Served on a rank already known (or the entry's own): nothing to add.
         let m2 = Match { blocks: 8, ..m };
         let short = &conv(40)[..8];
-        assert!(!idx.record_needed(short.len(), &m2, 2));
-        assert!(!idx.record_needed(short.len(), &m2, 0));
-        assert!(idx.record_needed(short.len(), &m2, 3));
+        assert_eq!(writes(short, &m2, 2), 0);
+        assert_eq!(writes(short, &m2, 0), 0);
+        assert_eq!(writes(short, &m2, 3), 1, "a new holder: one mark");
         // Ranks from 15 on have no holder flag: nothing to write for them either.
-        assert!(!idx.record_needed(short.len(), &m2, 15));
+        assert_eq!(writes(short, &m2, 15), 0);
     }
 
     #[test]

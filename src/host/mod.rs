@@ -748,9 +748,8 @@ impl Filter {
             return;
         }
         state.recorded = Some(rank);
-        if !idx.record_needed(state.chain.len(), &state.matched, rank) {
-            return;
-        }
+        // A next turn that crossed no grid position and was served where it matched makes no
+        // store call at all: `record` only touches what changed.
         let new_positions = idx.writes_needed(state.chain.len(), &state.matched) > 0;
         let store = IndexStore::new(&rt.counters);
         let events = idx.record(
