@@ -39,10 +39,11 @@ pub enum Counter {
     PrefixEvictions,
     PrefixReads,
     PrefixWrites,
+    StatsFlushes,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 35] = [
+    pub const ALL: [Counter; 36] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -78,6 +79,7 @@ impl Counter {
         Counter::PrefixEvictions,
         Counter::PrefixReads,
         Counter::PrefixWrites,
+        Counter::StatsFlushes,
     ];
 
     /// The metric name as defined with the host.
@@ -118,6 +120,7 @@ impl Counter {
             Counter::PrefixEvictions => "dp_affinity.prefix_evictions",
             Counter::PrefixReads => "dp_affinity.prefix_reads",
             Counter::PrefixWrites => "dp_affinity.prefix_writes",
+            Counter::StatsFlushes => "dp_affinity.stats_flushes",
         }
     }
 

@@ -143,7 +143,11 @@ impl Counters {
         self.add(Counter::CasExhausted, ev.cas_exhausted);
     }
 
+    /// Hands the pending sums to Envoy. Every flush also counts itself (`stats_flushes`), so a
+    /// reader of `/stats` can tell that each VM has flushed since a given moment: a counter that
+    /// still reads 0 after that is really 0, not merely unflushed.
     fn flush(&self) {
+        self.add(Counter::StatsFlushes, 1);
         for (id, cell) in self.ids.iter().zip(&self.pending) {
             let n = cell.replace(0);
             if let (Some(id), true) = (id, n > 0) {
