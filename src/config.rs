@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::assign::{Bound, Mode};
 use crate::hash::KeyedHasher;
 use crate::prefix::{PrefixConfig, PrefixHasher};
+use crate::ranks::StrikeRule;
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
 /// the filter precompute millions of cluster names.
@@ -132,6 +133,8 @@ struct RawAssign {
     pinned_load_factor: f64,
     min_capacity: u32,
     cooldown_seconds: u32,
+    failure_threshold: u32,
+    failure_window_seconds: u32,
     room_field: String,
 }
 
@@ -144,6 +147,8 @@ impl Default for RawAssign {
             pinned_load_factor: 2.0,
             min_capacity: 8,
             cooldown_seconds: 10,
+            failure_threshold: 3,
+            failure_window_seconds: 10,
             room_field: "bootstrap_room".into(),
         }
     }
@@ -334,6 +339,8 @@ fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigErr
         "pinned_load_factor",
         "min_capacity",
         "cooldown_seconds",
+        "failure_threshold",
+        "failure_window_seconds",
         "room_field",
     ];
     fields(path, v, &names, |name, path, v| {
@@ -344,6 +351,8 @@ fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigErr
             "pinned_load_factor" => r.pinned_load_factor = as_f64(path, v)?,
             "min_capacity" => r.min_capacity = as_u32(path, v)?,
             "cooldown_seconds" => r.cooldown_seconds = as_u32(path, v)?,
+            "failure_threshold" => r.failure_threshold = as_u32(path, v)?,
+            "failure_window_seconds" => r.failure_window_seconds = as_u32(path, v)?,
             _ => r.room_field = as_string(path, v)?,
         }
         Ok(())
@@ -583,10 +592,23 @@ pub struct AssignConfig {
     /// The bound under which a pinned key stays (`pinned_load_factor`, `min_capacity`).
     pub pinned_bound: Bound,
     pub cooldown_seconds: u32,
+    /// Upstream errors from this many requests the filter placed on a rank, within
+    /// `failure_window_seconds`, cool it down (Envoy's own failure answers do at once).
+    pub failure_threshold: u32,
+    pub failure_window_seconds: u32,
     pub room_field: String,
 }
 
 impl AssignConfig {
+    /// When repeated upstream errors cool a rank down.
+    pub fn strike_rule(&self) -> StrikeRule {
+        StrikeRule {
+            threshold: self.failure_threshold,
+            window_seconds: self.failure_window_seconds,
+            cooldown_seconds: self.cooldown_seconds,
+        }
+    }
+
     /// Whether requests are counted in flight per rank (the assigners that read load need it).
     pub fn tracks_load(&self) -> bool {
         self.mode != Mode::Envoy
@@ -808,6 +830,12 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     if raw.room_field.is_empty() {
         return Err(err("assign.room_field", "must be non-empty"));
     }
+    if !(1..=1000).contains(&raw.failure_threshold) {
+        return Err(err("assign.failure_threshold", "must be in 1..=1000"));
+    }
+    if !(1..=3600).contains(&raw.failure_window_seconds) {
+        return Err(err("assign.failure_window_seconds", "must be in 1..=3600"));
+    }
     Ok(AssignConfig {
         mode,
         seed: KeyedHasher::from_seed(b"").hash(raw.seed.as_bytes()),
@@ -820,6 +848,8 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
             floor: raw.min_capacity,
         },
         cooldown_seconds: raw.cooldown_seconds,
+        failure_threshold: raw.failure_threshold,
+        failure_window_seconds: raw.failure_window_seconds,
         room_field: raw.room_field,
     })
 }

@@ -9,6 +9,7 @@ pub mod assign;
 pub mod config;
 pub mod decide;
 pub mod extract;
+pub mod failure;
 pub mod hash;
 pub mod json_scan;
 pub mod metrics;

@@ -40,10 +40,12 @@ pub enum Counter {
     PrefixReads,
     PrefixWrites,
     StatsFlushes,
+    RankErrors,
+    Unanswered,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 36] = [
+    pub const ALL: [Counter; 38] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -80,6 +82,8 @@ impl Counter {
         Counter::PrefixReads,
         Counter::PrefixWrites,
         Counter::StatsFlushes,
+        Counter::RankErrors,
+        Counter::Unanswered,
     ];
 
     /// The metric name as defined with the host.
@@ -121,6 +125,8 @@ impl Counter {
             Counter::PrefixReads => "dp_affinity.prefix_reads",
             Counter::PrefixWrites => "dp_affinity.prefix_writes",
             Counter::StatsFlushes => "dp_affinity.stats_flushes",
+            Counter::RankErrors => "dp_affinity.rank_errors",
+            Counter::Unanswered => "dp_affinity.unanswered",
         }
     }
 
@@ -139,6 +145,16 @@ impl Counter {
     pub fn index(self) -> usize {
         self as usize
     }
+}
+
+/// The gauge of requests in flight on `rank`, summed over this Envoy's workers.
+pub fn rank_inflight_gauge(rank: u32) -> String {
+    format!("dp_affinity.rank_inflight.{rank}")
+}
+
+/// The gauge that is 1 while `rank` is cooling down, else 0.
+pub fn rank_cooling_gauge(rank: u32) -> String {
+    format!("dp_affinity.rank_cooling_down.{rank}")
 }
 
 #[cfg(test)]

@@ -1147,8 +1147,11 @@ impl PrefixIndex {
                 continue;
             }
             if let Some(&h) = chain.get(p as usize - 1) {
-                events.add(self.table.pin(store, h, rank, now));
-                wrote = true;
+                let pinned = self.table.pin(store, h, rank, now);
+                events.add(pinned);
+                // A write lost to a race recorded nothing: the prompt did not go on past the
+                // match as far as the index knows, so the match must not become branched.
+                wrote |= pinned.cas_exhausted == 0;
             }
         }
         let flags = marks_needed(matched, rank, wrote);
@@ -2175,6 +2178,28 @@ mod tests {
         assert_eq!((used.rank, used.refreshes), (Some(1), 1));
         assert_eq!(idx.longest_match(&s, &b, 1180, 4).rank, Some(1));
         assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
+    }
+
+    #[test]
+    fn a_record_that_lost_its_deeper_writes_leaves_the_match_unbranched() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        idx.record(&s, &system, 0, 1000, &Match::default());
+        let b = random_chain(20, 13, &system, 8);
+        let m = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((m.blocks, m.branched), (8, false));
+        // The one deeper position's write loses every race (its retries included); the store
+        // would take the mark that follows.
+        let mut cfg = index_cfg(64, 16);
+        cfg.table.cas_retries = 2;
+        let idx = PrefixIndex::new(&cfg);
+        s.lose_races.set(3);
+        let events = idx.record(&s, &b, 0, 1000, &m);
+        assert_eq!((events.cas_exhausted, s.lose_races.get()), (1, 0));
+        let again = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((again.blocks, again.branched), (8, false));
     }
 
     #[test]

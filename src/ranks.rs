@@ -1,54 +1,61 @@
-//! Shared per-rank state: in-flight request counts and failure cool-downs, in one shared-data key
-//! so that one read gives an assigner the whole picture.
+//! Shared per-rank state: requests in flight, failure strikes and cool-downs, in one shared-data
+//! key, so one read gives an assigner the whole picture — a picture that cannot drift.
 //!
-//! Value layout: `dp_size` records of 8 bytes, `inflight: u32 LE | down_until: u32 LE (unix s)`.
-//! Anything that does not decode (wrong length after a `dp_size` change, garbage) reads as all
-//! zeros: idle and usable. Counts saturate at zero: a release that finds nothing to release (after
-//! a restart of the store, say) never drives a count negative.
+//! Why the in-flight counts converge to the truth by themselves: nobody adds to or subtracts
+//! from a shared count. Each VM (one per Envoy worker) keeps the counts of *its own* streams in
+//! memory ([`LocalLoad`]) — exact, since a VM is single-threaded and `on_log` ends every stream
+//! it saw start — and publishes them whole as its own *column* of the board, stamped with the
+//! time of writing. The load of a rank is the sum over the columns stamped within
+//! [`LEASE_SECONDS`]. Hence:
+//! - a lost compare-and-swap loses nothing: the VM still holds the truth and its next write (the
+//!   next request, or its tick within a second) publishes it whole;
+//! - a VM that traps, is replaced, or is reloaded with its streams in flight stops stamping its
+//!   column: the column drops out of every sum after [`LEASE_SECONDS`] and the next writer
+//!   removes it;
+//! - a VM with streams in flight re-stamps its column every tick; one with none removes it.
+//!
+//! So after any fault the counts are back to the truth within `LEASE_SECONDS + 1` seconds, with
+//! nothing to reset by hand.
+//!
+//! Value layout (little endian), `v1`:
+//! - header, 12 bytes: `b"DPB1" | next_id: u32 | columns: u16 | dp_size: u16`;
+//! - per rank, 12 bytes: `down_until: u32 | strike_since: u32 | strikes: u32` (unix seconds);
+//! - per column, `8 + 4 × dp_size` bytes: `id: u32 | stamp: u32 | inflight: u32 × dp_size`.
+//!
+//! A value that does not decode (garbage, another `dp_size`) reads as an idle board and is
+//! replaced on the next write: corruption costs a few seconds of load view, never a panic.
 
 use crate::table::{Store, StoreError};
 
-/// One rank's shared state.
+/// A column stamped more than this many seconds ago is a dead VM's: ignored and removed.
+/// Ticks re-stamp live columns every second; the margin covers a busy worker's late tick and
+/// the one-second resolution of the clock.
+pub const LEASE_SECONDS: u32 = 5;
+
+/// At most this many columns (VMs with requests in flight on one Envoy); beyond, the stalest
+/// goes. Envoy runs one VM per worker, so this bounds the value to a few KiB whatever happens.
+pub const MAX_COLUMNS: usize = 256;
+
+const MAGIC: &[u8; 4] = b"DPB1";
+const HEADER: usize = 12;
+const RANK_RECORD: usize = 12;
+
+/// One rank as the assigners see it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RankLoad {
+    /// Requests in flight, summed over the live columns.
     pub inflight: u32,
+    /// Cooling down until (unix seconds): not usable before.
     pub down_until: u32,
 }
 
-/// All ranks' state, as read from the store.
+/// All ranks' state, as an assigner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankStates {
     pub ranks: Vec<RankLoad>,
 }
 
 impl RankStates {
-    fn decode(bytes: &[u8], dp_size: usize) -> RankStates {
-        let mut ranks = vec![RankLoad::default(); dp_size];
-        if bytes.len() == dp_size * 8 {
-            for (r, chunk) in ranks.iter_mut().zip(bytes.chunks_exact(8)) {
-                let word = |i: usize| {
-                    let mut b = [0u8; 4];
-                    b.copy_from_slice(&chunk[i..i + 4]);
-                    u32::from_le_bytes(b)
-                };
-                *r = RankLoad {
-                    inflight: word(0),
-                    down_until: word(4),
-                };
-            }
-        }
-        RankStates { ranks }
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.ranks.len() * 8);
-        for r in &self.ranks {
-            out.extend_from_slice(&r.inflight.to_le_bytes());
-            out.extend_from_slice(&r.down_until.to_le_bytes());
-        }
-        out
-    }
-
     /// Whether `rank` may receive new work at `now`.
     pub fn usable(&self, rank: u32, now: u32) -> bool {
         self.ranks
@@ -72,12 +79,33 @@ impl RankStates {
     }
 }
 
-/// The shared rank-state key of one filter configuration.
-#[derive(Debug, Clone)]
-pub struct RankBoard {
-    key: String,
-    dp_size: usize,
-    cas_retries: u32,
+/// This VM's own streams in flight per rank: the truth its column publishes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LocalLoad {
+    /// The column this VM writes (given out by the board on its first write).
+    id: Option<u32>,
+    inflight: Vec<u32>,
+    /// The counts changed since they were last published.
+    dirty: bool,
+}
+
+impl LocalLoad {
+    pub fn new(dp_size: u32) -> LocalLoad {
+        LocalLoad {
+            id: None,
+            inflight: vec![0; dp_size as usize],
+            dirty: false,
+        }
+    }
+
+    /// This VM's own requests in flight on `rank`.
+    pub fn inflight(&self, rank: u32) -> u32 {
+        self.inflight.get(rank as usize).copied().unwrap_or(0)
+    }
+
+    fn idle(&self) -> bool {
+        self.inflight.iter().all(|&n| n == 0)
+    }
 }
 
 /// What a read-modify-write cost, for the counters.
@@ -87,82 +115,407 @@ pub struct BoardEvents {
     pub cas_exhausted: u32,
 }
 
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct RankHealth {
+    down_until: u32,
+    strike_since: u32,
+    strikes: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Column {
+    id: u32,
+    stamp: u32,
+    inflight: Vec<u32>,
+}
+
+/// The decoded value of the board key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Board {
+    next_id: u32,
+    health: Vec<RankHealth>,
+    columns: Vec<Column>,
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+impl Board {
+    /// An idle board. `seed` starts the column ids somewhere a board rebuilt after corruption is
+    /// unlikely to hand out an id a live VM still uses.
+    fn empty(dp_size: usize, seed: u32) -> Board {
+        Board {
+            next_id: seed.wrapping_mul(0x9e37_79b9),
+            health: vec![RankHealth::default(); dp_size],
+            columns: Vec::new(),
+        }
+    }
+
+    fn decode(b: &[u8], dp_size: usize) -> Option<Board> {
+        if b.get(0..4)? != MAGIC || usize::from(u16_at(b, 10)?) != dp_size {
+            return None;
+        }
+        let next_id = u32_at(b, 4)?;
+        let columns = usize::from(u16_at(b, 8)?);
+        let column_bytes = 8 + 4 * dp_size;
+        if b.len() != HEADER + RANK_RECORD * dp_size + column_bytes * columns {
+            return None;
+        }
+        let health = (0..dp_size)
+            .map(|r| {
+                let at = HEADER + RANK_RECORD * r;
+                Some(RankHealth {
+                    down_until: u32_at(b, at)?,
+                    strike_since: u32_at(b, at + 4)?,
+                    strikes: u32_at(b, at + 8)?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let start = HEADER + RANK_RECORD * dp_size;
+        let columns = (0..columns)
+            .map(|c| {
+                let at = start + column_bytes * c;
+                Some(Column {
+                    id: u32_at(b, at)?,
+                    stamp: u32_at(b, at + 4)?,
+                    inflight: (0..dp_size)
+                        .map(|r| u32_at(b, at + 8 + 4 * r))
+                        .collect::<Option<Vec<_>>>()?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Board {
+            next_id,
+            health,
+            columns,
+        })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let dp_size = self.health.len();
+        let mut out = Vec::with_capacity(
+            HEADER + RANK_RECORD * dp_size + (8 + 4 * dp_size) * self.columns.len(),
+        );
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.next_id.to_le_bytes());
+        // Both fit: columns are capped at MAX_COLUMNS and dp_size by the config.
+        out.extend_from_slice(&(self.columns.len() as u16).to_le_bytes());
+        out.extend_from_slice(&(dp_size as u16).to_le_bytes());
+        for h in &self.health {
+            out.extend_from_slice(&h.down_until.to_le_bytes());
+            out.extend_from_slice(&h.strike_since.to_le_bytes());
+            out.extend_from_slice(&h.strikes.to_le_bytes());
+        }
+        for c in &self.columns {
+            out.extend_from_slice(&c.id.to_le_bytes());
+            out.extend_from_slice(&c.stamp.to_le_bytes());
+            for n in &c.inflight {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn live(column: &Column, now: u32) -> bool {
+        column.stamp.saturating_add(LEASE_SECONDS) >= now
+    }
+
+    /// The assigners' view: live columns other than `own`, plus `local` in its place.
+    fn view(&self, now: u32, own: Option<u32>, local: Option<&[u32]>) -> RankStates {
+        let mut ranks: Vec<RankLoad> = self
+            .health
+            .iter()
+            .map(|h| RankLoad {
+                inflight: 0,
+                down_until: h.down_until,
+            })
+            .collect();
+        let others = self
+            .columns
+            .iter()
+            .filter(|c| Board::live(c, now) && (local.is_none() || Some(c.id) != own));
+        for c in others {
+            for (r, n) in ranks.iter_mut().zip(&c.inflight) {
+                r.inflight = r.inflight.saturating_add(*n);
+            }
+        }
+        for (r, n) in ranks.iter_mut().zip(local.unwrap_or(&[])) {
+            r.inflight = r.inflight.saturating_add(*n);
+        }
+        RankStates { ranks }
+    }
+
+    /// Writes `counts` as column `id` (or removes it when idle), drops dead columns and, past
+    /// [`MAX_COLUMNS`], the stalest.
+    fn put_column(&mut self, id: u32, counts: &[u32], now: u32) {
+        self.columns.retain(|c| c.id != id && Board::live(c, now));
+        if counts.iter().any(|&n| n > 0) {
+            if self.columns.len() >= MAX_COLUMNS {
+                if let Some(stalest) =
+                    (0..self.columns.len()).min_by_key(|&i| self.columns[i].stamp)
+                {
+                    self.columns.swap_remove(stalest);
+                }
+            }
+            self.columns.push(Column {
+                id,
+                stamp: now,
+                inflight: counts.to_vec(),
+            });
+        }
+    }
+
+    /// A column id no column uses.
+    fn take_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1);
+            if self.columns.iter().all(|c| c.id != id) {
+                return id;
+            }
+        }
+    }
+}
+
+/// When repeated upstream errors put a rank into cool-down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StrikeRule {
+    /// Errors from this many different requests…
+    pub threshold: u32,
+    /// …within this many seconds of the first.
+    pub window_seconds: u32,
+    /// The cool-down they cause.
+    pub cooldown_seconds: u32,
+}
+
+/// The shared rank-state key of one filter configuration.
+#[derive(Debug, Clone)]
+pub struct RankBoard {
+    key: String,
+    dp_size: usize,
+    cas_retries: u32,
+}
+
 impl RankBoard {
     pub fn new(namespace: &str, dp_size: u32, cas_retries: u32) -> RankBoard {
         RankBoard {
-            key: format!("{namespace}/ranks/{dp_size}"),
+            key: format!("{namespace}/load/{dp_size}"),
             dp_size: dp_size as usize,
             cas_retries,
         }
     }
 
-    /// Reads the current state (one store read).
-    pub fn read(&self, store: &dyn Store) -> RankStates {
+    /// The shared-data key (VMs with the same key share one [`LocalLoad`] across reloads).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn decode(&self, value: Option<&[u8]>, now: u32) -> Board {
+        value
+            .and_then(|b| Board::decode(b, self.dp_size))
+            .unwrap_or_else(|| Board::empty(self.dp_size, now))
+    }
+
+    /// The assigners' view (one store read): every live column, with this VM's own counts from
+    /// memory in place of its column (they may be newer than what it last published).
+    pub fn read(&self, store: &dyn Store, local: &LocalLoad, now: u32) -> RankStates {
         let (value, _) = store.get(&self.key);
-        RankStates::decode(value.as_deref().unwrap_or(&[]), self.dp_size)
+        self.decode(value.as_deref(), now)
+            .view(now, local.id, Some(&local.inflight))
     }
 
     /// Reads the state, lets `choose` pick a rank from it, and counts one more request in flight
     /// on that rank, atomically: a lost race re-reads and chooses again, so two workers never
-    /// both take the last free slot of a rank. Returns the rank chosen (if any) and the events.
+    /// both take the last free slot of a rank. When every retry loses, the last choice stands
+    /// and is counted in memory: the next write publishes it.
     pub fn acquire(
         &self,
         store: &dyn Store,
+        local: &mut LocalLoad,
+        now: u32,
         mut choose: impl FnMut(&RankStates) -> Option<u32>,
     ) -> (Option<u32>, BoardEvents) {
         let mut chosen = None;
-        let events = self.update(store, |states| {
-            chosen = choose(states);
-            match chosen.and_then(|r| states.ranks.get_mut(r as usize)) {
-                Some(r) => {
-                    r.inflight = r.inflight.saturating_add(1);
+        let events = self.publish_with(store, local, now, |board, id, counts| {
+            chosen = choose(&board.view(now, id, Some(counts)));
+            match chosen.and_then(|r| counts.get_mut(r as usize)) {
+                Some(n) => {
+                    *n = n.saturating_add(1);
                     true
                 }
                 None => false,
             }
         });
-        if events.cas_exhausted > 0 {
-            // Not counted, so not routed as counted: the caller falls back without a slot.
-            return (None, events);
-        }
         (chosen, events)
     }
 
-    /// Counts one request on `rank` as finished (never below zero).
-    pub fn release(&self, store: &dyn Store, rank: u32) -> BoardEvents {
-        self.update(store, |states| match states.ranks.get_mut(rank as usize) {
-            Some(r) if r.inflight > 0 => {
-                r.inflight -= 1;
-                true
+    /// Counts one request on `rank` as finished (never below zero) and publishes.
+    pub fn release(
+        &self,
+        store: &dyn Store,
+        local: &mut LocalLoad,
+        now: u32,
+        rank: u32,
+    ) -> BoardEvents {
+        self.publish_with(store, local, now, |_, _, counts| {
+            match counts.get_mut(rank as usize) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    true
+                }
+                _ => false,
             }
-            _ => false,
         })
     }
 
-    /// Takes `rank` out of every assigner's choice until `until` (unix seconds).
-    pub fn mark_down(&self, store: &dyn Store, rank: u32, until: u32) -> BoardEvents {
-        self.update(store, |states| match states.ranks.get_mut(rank as usize) {
-            Some(r) if r.down_until < until => {
-                r.down_until = until;
-                true
+    /// The tick's work: re-stamps this VM's column with its counts (or removes it when idle)
+    /// and returns the view after the write, for the gauges. Idle with no column: one read.
+    pub fn publish(
+        &self,
+        store: &dyn Store,
+        local: &mut LocalLoad,
+        now: u32,
+    ) -> (RankStates, BoardEvents) {
+        if local.id.is_none() && local.idle() {
+            return (self.read(store, local, now), BoardEvents::default());
+        }
+        local.dirty = true;
+        let mut view = None;
+        let events = self.publish_with(store, local, now, |board, id, counts| {
+            view = Some(board.view(now, id, Some(counts)));
+            true
+        });
+        let view = view.unwrap_or_else(|| self.read(store, local, now));
+        (view, events)
+    }
+
+    /// Writes this VM's column after `change` (given the board as read, the column's id and a
+    /// copy of the counts to change; `false`: nothing to do, unless an earlier change is still
+    /// unpublished). The counts in memory take the change whether or not a write succeeded.
+    fn publish_with(
+        &self,
+        store: &dyn Store,
+        local: &mut LocalLoad,
+        now: u32,
+        mut change: impl FnMut(&Board, Option<u32>, &mut Vec<u32>) -> bool,
+    ) -> BoardEvents {
+        let mut events = BoardEvents::default();
+        let mut changed = None;
+        for attempt in 0..=self.cas_retries {
+            let (value, cas) = store.get(&self.key);
+            let mut board = self.decode(value.as_deref(), now);
+            let mut counts = local.inflight.clone();
+            let changes = change(&board, local.id, &mut counts);
+            if !changes && !local.dirty {
+                return events;
             }
-            _ => false,
-        })
+            changed = changes.then(|| counts.clone());
+            // A VM keeps its id for life, even when another VM dropped its column meanwhile
+            // (its ticks stalled past the lease): the write puts the column back.
+            let id = match local.id {
+                Some(id) => id,
+                None => board.take_id(),
+            };
+            board.put_column(id, &counts, now);
+            match store.set(&self.key, &board.encode(), cas) {
+                Ok(()) => {
+                    local.inflight = counts;
+                    local.id = Some(id);
+                    local.dirty = false;
+                    return events;
+                }
+                Err(StoreError::CasMismatch) if attempt < self.cas_retries => {
+                    events.cas_retries += 1
+                }
+                Err(_) => break,
+            }
+        }
+        events.cas_exhausted += 1;
+        if let Some(counts) = changed {
+            local.inflight = counts;
+        }
+        local.dirty = true;
+        events
+    }
+
+    /// Takes `rank` out of every assigner's choice until `until` (unix seconds). Returns whether
+    /// the rank was not cooling down already.
+    pub fn mark_down(
+        &self,
+        store: &dyn Store,
+        rank: u32,
+        until: u32,
+        now: u32,
+    ) -> (bool, BoardEvents) {
+        let mut started = false;
+        let events = self.update(store, now, |board| {
+            started = false;
+            match board.health.get_mut(rank as usize) {
+                Some(h) if h.down_until < until => {
+                    started = h.down_until <= now;
+                    h.down_until = until;
+                    h.strikes = 0;
+                    true
+                }
+                _ => false,
+            }
+        });
+        (started && events.cas_exhausted == 0, events)
+    }
+
+    /// One request placed on `rank` by the filter got an error from it. Errors from
+    /// `rule.threshold` requests within `rule.window_seconds` put the rank into cool-down for
+    /// `rule.cooldown_seconds`. Returns whether this strike started one.
+    pub fn strike(
+        &self,
+        store: &dyn Store,
+        rank: u32,
+        now: u32,
+        rule: StrikeRule,
+    ) -> (bool, BoardEvents) {
+        let mut cooled = false;
+        let events = self.update(store, now, |board| {
+            cooled = false;
+            let Some(h) = board.health.get_mut(rank as usize) else {
+                return false;
+            };
+            if h.down_until > now {
+                return false; // already out: nothing to add
+            }
+            if h.strikes == 0 || now >= h.strike_since.saturating_add(rule.window_seconds) {
+                h.strike_since = now;
+                h.strikes = 0;
+            }
+            h.strikes += 1;
+            if h.strikes >= rule.threshold && rule.cooldown_seconds > 0 {
+                h.down_until = now.saturating_add(rule.cooldown_seconds);
+                h.strikes = 0;
+                cooled = true;
+            }
+            true
+        });
+        (cooled && events.cas_exhausted == 0, events)
     }
 
     fn update(
         &self,
         store: &dyn Store,
-        mut change: impl FnMut(&mut RankStates) -> bool,
+        now: u32,
+        mut change: impl FnMut(&mut Board) -> bool,
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
         for attempt in 0..=self.cas_retries {
             let (value, cas) = store.get(&self.key);
-            let mut states = RankStates::decode(value.as_deref().unwrap_or(&[]), self.dp_size);
-            if !change(&mut states) {
+            let mut board = self.decode(value.as_deref(), now);
+            if !change(&mut board) {
                 return events;
             }
-            match store.set(&self.key, &states.encode(), cas) {
+            match store.set(&self.key, &board.encode(), cas) {
                 Ok(()) => return events,
                 Err(StoreError::CasMismatch) if attempt < self.cas_retries => {
                     events.cas_retries += 1
@@ -175,12 +528,9 @@ impl RankBoard {
     }
 
     /// Creates the key if missing, so later writes are real compare-and-swaps.
-    pub fn ensure(&self, store: &dyn Store) {
+    pub fn ensure(&self, store: &dyn Store, now: u32) {
         if store.get(&self.key).0.is_none() {
-            let zero = RankStates {
-                ranks: vec![RankLoad::default(); self.dp_size],
-            };
-            let _ = store.set(&self.key, &zero.encode(), None);
+            let _ = store.set(&self.key, &Board::empty(self.dp_size, now).encode(), None);
         }
     }
 }
@@ -190,67 +540,194 @@ mod tests {
     use super::*;
     use crate::table::tests::MemStore;
 
+    const RULE: StrikeRule = StrikeRule {
+        threshold: 3,
+        window_seconds: 10,
+        cooldown_seconds: 30,
+    };
+
+    fn board(dp_size: u32, retries: u32) -> (MemStore, RankBoard) {
+        let s = MemStore::default();
+        let b = RankBoard::new("t", dp_size, retries);
+        b.ensure(&s, 100);
+        (s, b)
+    }
+
+    /// The view of a VM with nothing of its own in flight (what any other VM sees).
+    fn seen(s: &MemStore, b: &RankBoard, now: u32) -> Vec<u32> {
+        let nobody = LocalLoad::new(b.dp_size as u32);
+        let st = b.read(s, &nobody, now);
+        st.ranks.iter().map(|r| r.inflight).collect()
+    }
+
     #[test]
     fn acquire_release_never_negative() {
-        let s = MemStore::default();
-        let b = RankBoard::new("t", 4, 3);
-        b.ensure(&s);
-        let (r, _) = b.acquire(&s, |_| Some(2));
+        let (s, b) = board(4, 3);
+        let mut vm = LocalLoad::new(4);
+        let (r, _) = b.acquire(&s, &mut vm, 100, |_| Some(2));
         assert_eq!(r, Some(2));
-        assert_eq!(b.read(&s).inflight(2), 1);
-        b.release(&s, 2);
-        b.release(&s, 2);
-        b.release(&s, 9);
-        assert_eq!(b.read(&s).inflight(2), 0);
-        let (none, _) = b.acquire(&s, |_| None);
+        assert_eq!(seen(&s, &b, 100), [0, 0, 1, 0]);
+        b.release(&s, &mut vm, 100, 2);
+        b.release(&s, &mut vm, 100, 2);
+        b.release(&s, &mut vm, 100, 9);
+        assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
+        assert_eq!(vm.inflight(2), 0);
+        let (none, _) = b.acquire(&s, &mut vm, 100, |_| None);
         assert_eq!(none, None);
-        assert_eq!(b.read(&s).usable_load(0), (0, 4));
+        assert_eq!(b.read(&s, &vm, 100).usable_load(100), (0, 4));
+    }
+
+    #[test]
+    fn columns_of_several_vms_add_up_and_idle_ones_leave() {
+        let (s, b) = board(2, 3);
+        let (mut a, mut c) = (LocalLoad::new(2), LocalLoad::new(2));
+        b.acquire(&s, &mut a, 100, |_| Some(0));
+        b.acquire(&s, &mut a, 100, |_| Some(1));
+        b.acquire(&s, &mut c, 100, |_| Some(0));
+        assert_eq!(seen(&s, &b, 100), [2, 1]);
+        assert_ne!(a.id, c.id, "each VM has a column of its own");
+        // A VM sees the others' columns plus its own memory.
+        assert_eq!(b.read(&s, &a, 100).inflight(0), 2);
+        b.release(&s, &mut a, 101, 0);
+        b.release(&s, &mut a, 101, 1);
+        // Idle: the tick removes the column.
+        b.publish(&s, &mut a, 102);
+        let value = s.get("t/load/2").0.unwrap();
+        assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
+        assert_eq!(seen(&s, &b, 102), [1, 0]);
+    }
+
+    #[test]
+    fn a_lost_release_is_published_by_the_next_tick() {
+        let (s, b) = board(2, 0);
+        let mut vm = LocalLoad::new(2);
+        b.acquire(&s, &mut vm, 100, |_| Some(1));
+        s.lose_races.set(1);
+        let ev = b.release(&s, &mut vm, 100, 1);
+        assert_eq!(ev.cas_exhausted, 1);
+        assert_eq!(seen(&s, &b, 100), [0, 1], "the write was lost");
+        assert_eq!(vm.inflight(1), 0, "but the VM knows the truth");
+        let (view, _) = b.publish(&s, &mut vm, 101);
+        assert_eq!(view.inflight(1), 0);
+        assert_eq!(seen(&s, &b, 101), [0, 0]);
+    }
+
+    #[test]
+    fn a_lost_acquire_still_counts_and_routes() {
+        let (s, b) = board(2, 0);
+        let mut vm = LocalLoad::new(2);
+        s.lose_races.set(1);
+        let (r, ev) = b.acquire(&s, &mut vm, 100, |_| Some(0));
+        assert_eq!((r, ev.cas_exhausted), (Some(0), 1));
+        assert_eq!(vm.inflight(0), 1);
+        b.publish(&s, &mut vm, 100);
+        assert_eq!(seen(&s, &b, 100), [1, 0]);
+    }
+
+    #[test]
+    fn a_dead_vms_column_expires_after_the_lease() {
+        let (s, b) = board(2, 3);
+        let mut dead = LocalLoad::new(2);
+        for _ in 0..16 {
+            b.acquire(&s, &mut dead, 100, |_| Some(1));
+        }
+        assert_eq!(seen(&s, &b, 100), [0, 16]);
+        assert_eq!(seen(&s, &b, 100 + LEASE_SECONDS), [0, 16]);
+        assert_eq!(
+            seen(&s, &b, 101 + LEASE_SECONDS),
+            [0, 0],
+            "dead after the lease"
+        );
+        // A live VM's next write removes it.
+        let mut live = LocalLoad::new(2);
+        b.acquire(&s, &mut live, 101 + LEASE_SECONDS, |_| Some(0));
+        let value = s.get("t/load/2").0.unwrap();
+        assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
+    }
+
+    #[test]
+    fn a_live_vm_restamps_every_tick_and_rejoins_if_dropped() {
+        let (s, b) = board(2, 3);
+        let mut vm = LocalLoad::new(2);
+        b.acquire(&s, &mut vm, 100, |_| Some(0));
+        for now in 101..120 {
+            b.publish(&s, &mut vm, now);
+            assert_eq!(seen(&s, &b, now), [1, 0]);
+        }
+        // Another VM dropped our column (our ticks stalled): the next publish puts it back.
+        s.raw_set("t/load/2", Board::empty(2, 7).encode());
+        assert_eq!(seen(&s, &b, 120), [0, 0]);
+        b.publish(&s, &mut vm, 121);
+        assert_eq!(seen(&s, &b, 121), [1, 0]);
     }
 
     #[test]
     fn cooldown_makes_a_rank_unusable_until_it_ends() {
-        let s = MemStore::default();
-        let b = RankBoard::new("t", 4, 3);
-        b.mark_down(&s, 1, 110);
-        let st = b.read(&s);
+        let (s, b) = board(4, 3);
+        let vm = LocalLoad::new(4);
+        assert!(b.mark_down(&s, 1, 110, 100).0);
+        let st = b.read(&s, &vm, 100);
         assert!(!st.usable(1, 100));
         assert!(st.usable(1, 110));
         assert!(st.usable(0, 100));
         assert!(!st.usable(7, 100), "out of range is never usable");
         assert_eq!(st.usable_load(100), (0, 3));
         // An earlier deadline does not shorten a later one.
-        b.mark_down(&s, 1, 105);
-        assert!(!b.read(&s).usable(1, 108));
+        assert!(!b.mark_down(&s, 1, 105, 100).0);
+        assert!(!b.read(&s, &vm, 108).usable(1, 108));
     }
 
     #[test]
-    fn garbage_reads_as_idle() {
-        let s = MemStore::default();
-        let b = RankBoard::new("t", 4, 3);
-        s.raw_set("t/ranks/4", vec![0xff; 13]);
-        assert_eq!(b.read(&s).usable_load(0), (0, 4));
-        let (r, _) = b.acquire(&s, |_| Some(0));
+    fn strikes_from_several_requests_within_the_window_cool_a_rank_down() {
+        let (s, b) = board(2, 3);
+        let vm = LocalLoad::new(2);
+        assert!(!b.strike(&s, 0, 100, RULE).0);
+        assert!(!b.strike(&s, 0, 105, RULE).0);
+        // The window (10 s from the first) has passed: counting starts again.
+        assert!(!b.strike(&s, 0, 110, RULE).0);
+        assert!(!b.strike(&s, 0, 111, RULE).0);
+        assert!(b.read(&s, &vm, 111).usable(0, 111));
+        assert!(b.strike(&s, 0, 112, RULE).0, "third within 10 s");
+        assert!(!b.read(&s, &vm, 112).usable(0, 112));
+        assert!(b.read(&s, &vm, 142).usable(0, 142));
+        assert!(b.read(&s, &vm, 112).usable(1, 112), "other ranks untouched");
+        // Strikes while cooling add nothing; after it, counting starts from zero.
+        assert!(!b.strike(&s, 0, 120, RULE).0);
+        assert!(!b.strike(&s, 0, 142, RULE).0);
+        assert!(!b.strike(&s, 0, 143, RULE).0);
+        assert!(b.strike(&s, 0, 144, RULE).0);
+    }
+
+    #[test]
+    fn garbage_reads_as_idle_and_is_replaced() {
+        let (s, b) = board(4, 3);
+        s.raw_set("t/load/4", vec![0xff; 13]);
+        assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
+        let mut vm = LocalLoad::new(4);
+        let (r, _) = b.acquire(&s, &mut vm, 100, |_| Some(0));
         assert_eq!(r, Some(0));
-        assert_eq!(b.read(&s).inflight(0), 1);
+        assert_eq!(seen(&s, &b, 100), [1, 0, 0, 0]);
+        // A board of another dp_size under the same key is garbage too.
+        s.raw_set("t/load/4", Board::empty(3, 1).encode());
+        assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
     }
 
     #[test]
     fn lost_race_rechooses_on_fresh_state() {
-        let s = MemStore::default();
-        let b = RankBoard::new("t", 2, 3);
-        b.ensure(&s);
-        let rival = b.clone();
+        let (s, b) = board(2, 3);
+        let rival_board = b.clone();
         *s.rival.borrow_mut() = Some(Box::new(move |store: &MemStore, _k: &str| {
-            // Another worker takes rank 0 meanwhile.
-            let mut st = rival.read(store);
-            st.ranks[0].inflight += 5;
-            store.raw_set("t/ranks/2", st.encode());
+            // Another worker takes rank 0 five times meanwhile.
+            let mut other = LocalLoad::new(2);
+            for _ in 0..5 {
+                rival_board.acquire(store, &mut other, 100, |_| Some(0));
+            }
         }));
         s.lose_races.set(1);
-        let mut seen = Vec::new();
-        let (r, ev) = b.acquire(&s, |st| {
-            seen.push(st.inflight(0));
-            // Least loaded of the two.
+        let mut vm = LocalLoad::new(2);
+        let mut seen_zero = Vec::new();
+        let (r, ev) = b.acquire(&s, &mut vm, 100, |st| {
+            seen_zero.push(st.inflight(0));
             Some(if st.inflight(0) <= st.inflight(1) {
                 0
             } else {
@@ -258,18 +735,19 @@ mod tests {
             })
         });
         assert_eq!(ev.cas_retries, 1);
-        assert_eq!(seen, vec![0, 5]);
+        assert_eq!(seen_zero, vec![0, 5]);
         assert_eq!(r, Some(1));
-        let st = b.read(&s);
-        assert_eq!((st.inflight(0), st.inflight(1)), (5, 1));
+        assert_eq!(seen(&s, &b, 100), [5, 1]);
     }
 
     #[test]
-    fn exhausted_retries_take_no_slot() {
-        let s = MemStore::default();
-        let b = RankBoard::new("t", 2, 2);
-        s.lose_races.set(100);
-        let (r, ev) = b.acquire(&s, |_| Some(0));
-        assert_eq!((r, ev.cas_exhausted), (None, 1));
+    fn columns_are_bounded() {
+        let (s, b) = board(1, 3);
+        for _ in 0..(MAX_COLUMNS + 20) {
+            let mut vm = LocalLoad::new(1);
+            b.acquire(&s, &mut vm, 100, |_| Some(0));
+        }
+        let value = s.get("t/load/1").0.unwrap();
+        assert_eq!(Board::decode(&value, 1).unwrap().columns.len(), MAX_COLUMNS);
     }
 }

@@ -1250,6 +1250,8 @@ fn section_fields(name: &str) -> &'static [&'static str] {
             "pinned_load_factor",
             "min_capacity",
             "cooldown_seconds",
+            "failure_threshold",
+            "failure_window_seconds",
             "room_field",
         ],
         "explicit_rank" => &[

@@ -19,6 +19,7 @@ pub const REQUEST_HEADERS: u32 = 0;
 pub const RESPONSE_HEADERS: u32 = 2;
 const REQUEST_BODY: u32 = 0;
 const COUNTER: u32 = 0;
+const GAUGE: u32 = 1;
 
 #[link(wasm_import_module = "env")]
 extern "C" {
@@ -70,6 +71,7 @@ extern "C" {
     ) -> u32;
     fn proxy_define_metric(kind: u32, name: *const u8, name_len: usize, id: *mut u32) -> u32;
     fn proxy_increment_metric(id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(id: u32, value: u64) -> u32;
     fn proxy_call_foreign_function(
         name: *const u8,
         name_len: usize,
@@ -259,6 +261,20 @@ pub fn define_counter(name: &str) -> Result<u32, HostError> {
 pub fn increment(id: u32, by: i64) -> Result<(), HostError> {
     // SAFETY: plain integer arguments.
     check(unsafe { proxy_increment_metric(id, by) })
+}
+
+/// Defines a gauge and returns its id.
+pub fn define_gauge(name: &str) -> Result<u32, HostError> {
+    let mut id = 0u32;
+    // SAFETY: name outlives the call; id is a valid local.
+    check(unsafe { proxy_define_metric(GAUGE, name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+/// Sets a gauge.
+pub fn record(id: u32, value: u64) -> Result<(), HostError> {
+    // SAFETY: plain integer arguments.
+    check(unsafe { proxy_record_metric(id, value) })
 }
 
 /// Asks Envoy to pick the route again (after a header that routes was set from the body callback).

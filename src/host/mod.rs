@@ -4,7 +4,7 @@
 mod abi;
 
 use std::borrow::Cow;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use log::{debug, error, info, warn};
@@ -16,9 +16,10 @@ use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
-use crate::metrics::Counter;
+use crate::failure::{classify, judge, Answer, Chooser};
+use crate::metrics::{self, Counter};
 use crate::prefix::{Api, Chain, CountingStore, Match, PrefixIndex};
-use crate::ranks::{BoardEvents, RankBoard, RankStates};
+use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
 
@@ -157,6 +158,57 @@ impl Counters {
     }
 }
 
+/// The per-rank gauges: what placement believes about each rank (requests in flight, cooling
+/// down). Every VM sets them from its view of the shared board once per tick; the views agree
+/// (one board), so whichever VM wrote last, the gauge shows the board.
+struct Gauges {
+    inflight: Vec<Option<u32>>,
+    cooling: Vec<Option<u32>>,
+    /// The last values written, per rank (a gauge is written only when it changes).
+    last: RefCell<Vec<(u64, u64)>>,
+}
+
+impl Gauges {
+    fn define(dp_size: u32) -> Gauges {
+        let define = |name: String| match abi::define_gauge(&name) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                warn!("cannot define metric {name}: status {}", e.0);
+                None
+            }
+        };
+        Gauges {
+            inflight: (0..dp_size)
+                .map(|r| define(metrics::rank_inflight_gauge(r)))
+                .collect(),
+            cooling: (0..dp_size)
+                .map(|r| define(metrics::rank_cooling_gauge(r)))
+                .collect(),
+            last: RefCell::new(vec![(u64::MAX, u64::MAX); dp_size as usize]),
+        }
+    }
+
+    fn set(&self, states: &RankStates, now: u32) {
+        let mut last = self.last.borrow_mut();
+        for (rank, state) in states.ranks.iter().enumerate() {
+            let value = (u64::from(state.inflight), u64::from(state.down_until > now));
+            let Some(seen) = last.get_mut(rank) else {
+                continue;
+            };
+            if *seen == value {
+                continue;
+            }
+            *seen = value;
+            if let Some(Some(id)) = self.inflight.get(rank) {
+                let _ = abi::record(*id, value.0);
+            }
+            if let Some(Some(id)) = self.cooling.get(rank) {
+                let _ = abi::record(*id, value.1);
+            }
+        }
+    }
+}
+
 /// How often counters are flushed and the clock is read.
 const TICK_MS: u32 = 1000;
 
@@ -184,10 +236,30 @@ struct Runtime {
     /// The prefix index, when `prefix.enabled`.
     prefix: Option<PrefixIndex>,
     board: RankBoard,
+    /// This VM's own requests in flight per rank, published as its column of `board`. Kept
+    /// across a reload that keeps the board, so streams of the old configuration still count.
+    local: Rc<RefCell<LocalLoad>>,
+    gauges: Gauges,
     counters: Rc<Counters>,
     clock: Rc<Clock>,
     /// Per-VM turn counter for round robin and for rotating least-in-flight ties.
     turn: Cell<u32>,
+}
+
+impl Runtime {
+    /// The tick's load work: publishes this VM's counts (re-stamping its column, or removing it
+    /// when idle) and sets the gauges from the board.
+    fn tick(&self) {
+        let now = self.clock.now();
+        if !self.cfg.assign.tracks_load() {
+            return;
+        }
+        let (view, events) = self
+            .board
+            .publish(&SharedData, &mut self.local.borrow_mut(), now);
+        self.counters.add_board_events(events);
+        self.gauges.set(&view, now);
+    }
 }
 
 #[derive(Default)]
@@ -226,6 +298,9 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.clock.refresh();
+        if let Some(runtime) = &self.runtime {
+            runtime.tick();
+        }
         if let Some(counters) = &self.counters {
             counters.flush();
         }
@@ -256,8 +331,19 @@ impl RootContext for Root {
             .map_or(0, |idx| idx.table().ensure_buckets(&SharedData));
         let board = RankBoard::new(&cfg.table.namespace, cfg.dp_size, cfg.table.cas_retries);
         if cfg.assign.tracks_load() {
-            board.ensure(&SharedData);
+            board.ensure(&SharedData, self.clock.now());
         }
+        let local = match &self.runtime {
+            Some(old) if old.board.key() == board.key() => old.local.clone(),
+            // Another board (dp_size or namespace changed): the old streams end in the old
+            // counts, whose column then expires; this configuration starts from zero.
+            _ => Rc::new(RefCell::new(LocalLoad::new(cfg.dp_size))),
+        };
+        let gauges = Gauges::define(cfg.dp_size);
+        gauges.set(
+            &board.read(&SharedData, &local.borrow(), self.clock.now()),
+            self.clock.now(),
+        );
         let counters = self
             .counters
             .get_or_insert_with(|| Rc::new(Counters::define()))
@@ -284,6 +370,8 @@ impl RootContext for Root {
             table,
             prefix,
             board,
+            local,
+            gauges,
             counters,
             clock: self.clock.clone(),
             turn: Cell::new(self.clock.now()),
@@ -304,6 +392,7 @@ impl RootContext for Root {
             trusted: false,
             api: None,
             prefix: None,
+            answered: false,
         }))
     }
 
@@ -317,8 +406,9 @@ impl RootContext for Root {
 enum Routed {
     /// Not decided (still reading the body, or answered locally).
     Unset,
-    /// Sent to a rank with no key to pin (explicit, bootstrap room, or a keyless placement).
-    Direct(u32),
+    /// Sent to a rank with no key to pin: chosen by the client (explicit, bootstrap room) or by
+    /// the filter (a keyless placement).
+    Direct { rank: u32, chooser: Chooser },
     /// The key is pinned to this rank (it was, or the filter just placed it there).
     Pinned { hash: u64, rank: u32 },
     /// The key was not pinned and Envoy balances: learn the rank from the response.
@@ -354,6 +444,8 @@ struct Filter {
     api: Option<Api>,
     /// The prompt's chain, when the body gave one and the decision uses it.
     prefix: Option<PrefixState>,
+    /// Response headers arrived (Envoy's own failure answers included).
+    answered: bool,
 }
 
 impl Context for Filter {}
@@ -437,23 +529,22 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.answered = true;
         let echo_wanted = self.rt.cfg.echo_header.is_some();
-        let tracks_load = self.rt.cfg.assign.tracks_load();
         // Each branch reads only what it needs: host calls are the filter's main cost.
-        // A chain recorded or to record needs the status (forget on failure) or the rank.
+        // A chain to record needs the status (recorded on a 2xx only) and the rank.
         let prefix_pending = self.prefix.is_some();
         let (served, echo_in_place) = match self.routed {
             Routed::Unset => return Action::Continue, // our own 400, or answered before us
-            // Nothing to learn, unpin or forget: no read at all, just the echo.
-            Routed::Direct(rank) if !tracks_load && !prefix_pending => (Some(rank), false),
-            Routed::Direct(rank) => {
+            // The client chose the rank: its answer says nothing the filter acts on (no key, no
+            // strike), so no read at all, just the echo.
+            Routed::Direct {
+                rank,
+                chooser: Chooser::Client,
+            } if !prefix_pending => (Some(rank), false),
+            Routed::Direct { rank, chooser } => {
                 let facts = self.response_facts();
-                if facts.failed() {
-                    if tracks_load {
-                        self.cool_down(rank);
-                    }
-                    self.forget_prefix(rank);
-                }
+                self.settle(rank, None, chooser, self.answer(&facts));
                 (
                     Some(rank),
                     facts.echo_in_place && facts.reported_rank == Some(rank),
@@ -463,13 +554,7 @@ impl HttpContext for Filter {
                 // One read gives both the status and whether the upstream already reports the
                 // rank under the echo header's name (then the echo costs no write).
                 let facts = self.response_facts();
-                if facts.failed() {
-                    self.unpin(hash, rank);
-                    if tracks_load {
-                        self.cool_down(rank);
-                    }
-                    self.forget_prefix(rank);
-                }
+                self.settle(rank, Some(hash), Chooser::Filter, self.answer(&facts));
                 (
                     Some(rank),
                     facts.echo_in_place && facts.reported_rank == Some(rank),
@@ -478,7 +563,7 @@ impl HttpContext for Filter {
             Routed::Learn { hash } => {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
-                if !facts.failed() {
+                if classify(facts.status, None) == Answer::Served {
                     self.learn(hash, served);
                     if let Some(rank) = served {
                         self.record_prefix(rank);
@@ -489,7 +574,7 @@ impl HttpContext for Filter {
             Routed::Balanced if echo_wanted || prefix_pending => {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
-                if let (false, Some(rank)) = (facts.failed(), served) {
+                if let (Answer::Served, Some(rank)) = (classify(facts.status, None), served) {
                     self.record_prefix(rank);
                 }
                 (served, facts.echo_in_place)
@@ -503,11 +588,31 @@ impl HttpContext for Filter {
     }
 
     fn on_log(&mut self) {
-        // The stream is over, whatever happened to it (answer, reset, timeout, client gone):
-        // the request no longer loads its rank.
+        // The stream is over, whatever happened to it (answer, reset, timeout, client gone).
+        // No response at all: the key of a request sent to a rank is unpinned (a rank that
+        // never answers must not keep its conversations); nothing else, since a client can
+        // abandon its own requests at will.
+        if !self.answered {
+            match self.routed {
+                Routed::Pinned { hash, rank } => {
+                    self.settle(rank, Some(hash), Chooser::Filter, Answer::Unanswered)
+                }
+                Routed::Direct { rank, chooser } => {
+                    self.settle(rank, None, chooser, Answer::Unanswered)
+                }
+                Routed::Unset | Routed::Learn { .. } | Routed::Balanced => {}
+            }
+        }
+        // The request no longer loads its rank.
         if let Some(rank) = self.acquired.take() {
-            let events = self.rt.board.release(&SharedData, rank);
-            self.rt.counters.add_board_events(events);
+            let rt = &self.rt;
+            let events = rt.board.release(
+                &SharedData,
+                &mut rt.local.borrow_mut(),
+                rt.clock.now(),
+                rank,
+            );
+            rt.counters.add_board_events(events);
         }
     }
 }
@@ -547,11 +652,11 @@ impl Filter {
         match decision {
             Decision::Rank(rank) => {
                 rt.counters.add(Counter::Explicit, 1);
-                self.send_direct(rank, from_body);
+                self.send_chosen(rank, from_body);
             }
             Decision::Room(rank) => {
                 rt.counters.add(Counter::Room, 1);
-                self.send_direct(rank, from_body);
+                self.send_chosen(rank, from_body);
             }
             Decision::Key { hash, too_long } => {
                 if too_long {
@@ -576,7 +681,6 @@ impl Filter {
                             rt.counters.add(Counter::AffinityHit, 1);
                             self.route_to(rank, from_body);
                             self.routed = Routed::Pinned { hash, rank };
-                            self.record_prefix(rank);
                         }
                         Placed::Prefix { rank, .. } => {
                             // The key follows its prompt: pinned at once, nothing to learn.
@@ -589,7 +693,6 @@ impl Filter {
                             ));
                             self.route_to(rank, from_body);
                             self.routed = Routed::Pinned { hash, rank };
-                            self.record_prefix(rank);
                         }
                         Placed::Assigned(_) => {
                             // Envoy balances; the key and the chain are recorded from the answer.
@@ -606,13 +709,16 @@ impl Filter {
                 let now = rt.clock.now();
                 if rt.cfg.assign.tracks_load() {
                     let mut placement = None;
-                    let (rank, events) = rt.board.acquire(&SharedData, |st| {
-                        let p = place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
-                            self.place(st, None)
-                        });
-                        placement = Some(p);
-                        placed_rank(p.placed)
-                    });
+                    let (rank, events) =
+                        rt.board
+                            .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
+                                let p =
+                                    place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
+                                        self.place(st, None)
+                                    });
+                                placement = Some(p);
+                                placed_rank(p.placed)
+                            });
                     rt.counters.add_board_events(events);
                     rt.counters
                         .add_prefix_choice(placement.and_then(|p| p.prefix));
@@ -620,8 +726,10 @@ impl Filter {
                         Some(rank) => {
                             self.acquired = Some(rank);
                             self.route_to(rank, from_body);
-                            self.routed = Routed::Direct(rank);
-                            self.record_prefix(rank);
+                            self.routed = Routed::Direct {
+                                rank,
+                                chooser: Chooser::Filter,
+                            };
                         }
                         None => rt.counters.add(Counter::NoUsableRank, 1),
                     }
@@ -630,10 +738,12 @@ impl Filter {
                     rt.counters.add_prefix_choice(p.prefix);
                     if let Placed::Prefix { rank, .. } = p.placed {
                         self.route_to(rank, from_body);
-                        self.routed = Routed::Direct(rank);
-                        self.record_prefix(rank);
+                        self.routed = Routed::Direct {
+                            rank,
+                            chooser: Chooser::Filter,
+                        };
                     }
-                    // Otherwise Envoy balances; the chain is recorded from the answer.
+                    // The chain is recorded from a 2xx answer.
                 }
             }
             Decision::Reject(rejection) => {
@@ -655,15 +765,24 @@ impl Filter {
         Action::Continue
     }
 
-    /// Sends to a rank chosen without a key (explicit, room), counting it in flight.
-    fn send_direct(&mut self, rank: u32, from_body: bool) {
-        if self.rt.cfg.assign.tracks_load() {
-            let (taken, events) = self.rt.board.acquire(&SharedData, |_| Some(rank));
-            self.rt.counters.add_board_events(events);
+    /// Sends to the rank the client chose (explicit, room), counting it in flight.
+    fn send_chosen(&mut self, rank: u32, from_body: bool) {
+        let rt = self.rt.clone();
+        if rt.cfg.assign.tracks_load() {
+            let (taken, events) = rt.board.acquire(
+                &SharedData,
+                &mut rt.local.borrow_mut(),
+                rt.clock.now(),
+                |_| Some(rank),
+            );
+            rt.counters.add_board_events(events);
             self.acquired = taken;
         }
         self.route_to(rank, from_body);
-        self.routed = Routed::Direct(rank);
+        self.routed = Routed::Direct {
+            rank,
+            chooser: Chooser::Client,
+        };
     }
 
     /// Places a keyed request with the filter's own assigner: a pin stays while its rank is
@@ -680,18 +799,20 @@ impl Filter {
         let rt = self.rt.clone();
         let now = rt.clock.now();
         let mut placement: Option<Placement> = None;
-        let (rank, events) = rt.board.acquire(&SharedData, |st| {
-            let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
-                self.place(st, Some(hash))
+        let (rank, events) = rt
+            .board
+            .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
+                let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
+                    self.place(st, Some(hash))
+                });
+                placement = Some(p);
+                placed_rank(p.placed)
             });
-            placement = Some(p);
-            placed_rank(p.placed)
-        });
         rt.counters.add_board_events(events);
         rt.counters
             .add_prefix_choice(placement.and_then(|p| p.prefix));
         let Some(rank) = rank else {
-            // Nothing usable (or the count could not be taken): let Envoy balance and learn.
+            // Nothing usable: let Envoy balance and learn.
             rt.counters.add(Counter::NoUsableRank, 1);
             self.routed = Routed::Learn { hash };
             return;
@@ -718,7 +839,6 @@ impl Filter {
         }
         self.route_to(rank, from_body);
         self.routed = Routed::Pinned { hash, rank };
-        self.record_prefix(rank);
     }
 
     /// Searches the prefix index for this request's chain (if it has one) and keeps the result
@@ -873,30 +993,91 @@ impl Filter {
         }
     }
 
-    /// A request sent to a pinned rank failed: drop the pin so the next turn is balanced again.
+    /// A request sent to a pinned rank failed: drop its own pin so its next turn is placed again
+    /// (other keys on the rank keep theirs).
     fn unpin(&self, hash: u64, rank: u32) {
         let (removed, events) = self.rt.table.unpin(&SharedData, hash, rank);
         self.rt.counters.add_table_events(events);
         if removed {
             self.rt.counters.add(Counter::Unpinned, 1);
-            info!("[{}] rank {rank} failed; key unpinned", self.id);
+            info!(
+                "[{}] request failed on rank {rank}; its key unpinned",
+                self.id
+            );
+        }
+    }
+
+    /// What the answer to this request was (`response.code_details` read only for a 5xx: it
+    /// tells Envoy's own failure answers from the rank's).
+    fn answer(&self, facts: &ResponseFacts) -> Answer {
+        let details = match facts.status {
+            0 | 500..=599 => abi::property(&["response", "code_details"]).ok().flatten(),
+            _ => None,
+        };
+        classify(facts.status, details.as_deref())
+    }
+
+    /// Acts on how a request sent to `rank` ended (see `failure`): unpin its own key, strike or
+    /// cool down the rank, record or forget the prompt's chain.
+    fn settle(&mut self, rank: u32, key: Option<u64>, chooser: Chooser, answer: Answer) {
+        let verdict = judge(answer, chooser);
+        let tracks_load = self.rt.cfg.assign.tracks_load();
+        if answer == Answer::Unanswered {
+            self.rt.counters.add(Counter::Unanswered, 1);
+        }
+        if let (true, Some(hash)) = (verdict.unpin_key, key) {
+            self.unpin(hash, rank);
+        }
+        if verdict.cool_down && tracks_load {
+            self.cool_down(rank);
+        }
+        if verdict.strike && tracks_load {
+            self.strike(rank);
+        }
+        if verdict.forget_prefix {
+            self.forget_prefix(rank);
+        }
+        if verdict.record_prefix {
+            self.record_prefix(rank);
         }
     }
 
     /// Takes a failed rank out of every assigner for `assign.cooldown_seconds` (all workers).
     fn cool_down(&self, rank: u32) {
-        let seconds = self.rt.cfg.assign.cooldown_seconds;
+        let rt = &self.rt;
+        let seconds = rt.cfg.assign.cooldown_seconds;
         if seconds == 0 {
             return;
         }
-        let until = self.rt.clock.now().saturating_add(seconds);
-        let events = self.rt.board.mark_down(&SharedData, rank, until);
-        self.rt.counters.add_board_events(events);
-        self.rt.counters.add(Counter::RankCooldown, 1);
-        info!(
-            "[{}] rank {rank} failed; cooling down for {seconds}s",
-            self.id
-        );
+        let now = rt.clock.now();
+        let (started, events) =
+            rt.board
+                .mark_down(&SharedData, rank, now.saturating_add(seconds), now);
+        rt.counters.add_board_events(events);
+        if started {
+            rt.counters.add(Counter::RankCooldown, 1);
+            info!(
+                "[{}] rank {rank} unreachable; cooling down for {seconds}s",
+                self.id
+            );
+        }
+    }
+
+    /// Counts one upstream error against `rank`; enough of them from different requests within
+    /// the window cool it down.
+    fn strike(&self, rank: u32) {
+        let rt = &self.rt;
+        rt.counters.add(Counter::RankErrors, 1);
+        let rule = rt.cfg.assign.strike_rule();
+        let (cooled, events) = rt.board.strike(&SharedData, rank, rt.clock.now(), rule);
+        rt.counters.add_board_events(events);
+        if cooled {
+            rt.counters.add(Counter::RankCooldown, 1);
+            info!(
+                "[{}] rank {rank}: {} errors within {}s; cooling down for {}s",
+                self.id, rule.threshold, rule.window_seconds, rule.cooldown_seconds
+            );
+        }
     }
 }
 

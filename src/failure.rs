@@ -1,0 +1,192 @@
+//! What an answer (or its absence) says about the rank that served a request, and what the filter
+//! does about it. The rule keeps clients from faking a rank's failure:
+//!
+//! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own failure
+//!   answers for the request (connect failure, reset before the response, no healthy upstream,
+//!   an upstream time-out) at once; the rank's own 5xx only once `assign.failure_threshold`
+//!   different requests got one within `assign.failure_window_seconds` (strikes).
+//! - A request whose rank the client chose (explicit rank, bootstrap room) never counts: a
+//!   client can make an engine answer 500 (a bad parameter) on any rank it names.
+//! - A single failure, of any kind, unpins only the routing key of the request that got it.
+//! - The prompt's chain is kept in the prefix index only when the rank answered 2xx: it then
+//!   computed the prompt. Index entries pointing at a rank are removed only on evidence that
+//!   the rank failed.
+
+/// How a request ended, as the filter sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// 2xx: the rank served the prompt.
+    Served,
+    /// Any other status below 500 (400, 413, 429, …): the request, not the rank.
+    Refused,
+    /// A 5xx the rank itself sent (`response.code_details` is `via_upstream`).
+    RankError,
+    /// Envoy's own 5xx because the rank could not be reached or did not answer in time.
+    RankUnreachable,
+    /// Envoy's own 5xx for another reason (overload, a missing cluster, …): not the rank's.
+    ProxyError,
+    /// The stream ended with no response at all (client gone, stream reset).
+    Unanswered,
+}
+
+/// Envoy's `response.code_details` for answers the upstream sent.
+const VIA_UPSTREAM: &[u8] = b"via_upstream";
+
+/// Prefixes of Envoy's `response.code_details` that mean the rank failed the request.
+const UNREACHABLE: [&[u8]; 6] = [
+    b"upstream_reset_before_response_started",
+    b"no_healthy_upstream",
+    b"upstream_response_timeout",
+    b"upstream_per_try_timeout",
+    b"upstream_per_try_idle_timeout",
+    b"upstream_max_stream_duration_reached",
+];
+
+/// Classifies a response from its status and `response.code_details` (`None`: not read — the
+/// host reads it only for a 5xx, or it was unavailable, which counts as the rank's own answer).
+/// A missing status (0) is treated as a 5xx.
+pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
+    match status {
+        200..=299 => Answer::Served,
+        0 | 500..=599 => match details {
+            None => Answer::RankError,
+            Some(d) if d == VIA_UPSTREAM => Answer::RankError,
+            Some(d) if UNREACHABLE.iter().any(|p| d.starts_with(p)) => Answer::RankUnreachable,
+            Some(_) => Answer::ProxyError,
+        },
+        _ => Answer::Refused,
+    }
+}
+
+/// Who chose the rank a request went to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chooser {
+    /// The client: an explicit rank, a bootstrap room.
+    Client,
+    /// The filter: a pin, a prefix match, an assigner.
+    Filter,
+}
+
+/// What to do after a request ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Verdict {
+    /// Remove this request's own key pin (the next turn is placed afresh).
+    pub unpin_key: bool,
+    /// Cool the rank down now.
+    pub cool_down: bool,
+    /// Count one strike against the rank (cool-down after several within the window).
+    pub strike: bool,
+    /// Record the prompt's chain under the rank.
+    pub record_prefix: bool,
+    /// Remove the index entries of this prompt that point at the rank.
+    pub forget_prefix: bool,
+}
+
+/// The rule of the module doc, as a table.
+pub fn judge(answer: Answer, chooser: Chooser) -> Verdict {
+    let filter_chose = chooser == Chooser::Filter;
+    match answer {
+        Answer::Served => Verdict {
+            record_prefix: true,
+            ..Verdict::default()
+        },
+        Answer::Refused => Verdict::default(),
+        Answer::RankError => Verdict {
+            unpin_key: true,
+            strike: filter_chose,
+            ..Verdict::default()
+        },
+        Answer::RankUnreachable => Verdict {
+            unpin_key: true,
+            cool_down: filter_chose,
+            forget_prefix: filter_chose,
+            ..Verdict::default()
+        },
+        Answer::ProxyError | Answer::Unanswered => Verdict {
+            unpin_key: true,
+            ..Verdict::default()
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_classified_by_status_and_envoys_details() {
+        for (status, details, want) in [
+            (200, None, Answer::Served),
+            (204, None, Answer::Served),
+            (400, None, Answer::Refused),
+            (
+                413,
+                Some(&b"request_payload_too_large"[..]),
+                Answer::Refused,
+            ),
+            (429, None, Answer::Refused),
+            (301, None, Answer::Refused),
+            (500, Some(&b"via_upstream"[..]), Answer::RankError),
+            (503, Some(&b"via_upstream"[..]), Answer::RankError),
+            (500, None, Answer::RankError),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{connection_failure}"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{remote_reset}"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                503,
+                Some(&b"no_healthy_upstream"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                504,
+                Some(&b"upstream_response_timeout"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                504,
+                Some(&b"upstream_per_try_idle_timeout"[..]),
+                Answer::RankUnreachable,
+            ),
+            (503, Some(&b"overload"[..]), Answer::ProxyError),
+            (503, Some(&b"cluster_not_found"[..]), Answer::ProxyError),
+            (500, Some(&b""[..]), Answer::ProxyError),
+            (0, None, Answer::RankError),
+        ] {
+            assert_eq!(classify(status, details), want, "{status} {details:?}");
+        }
+    }
+
+    #[test]
+    fn only_the_filters_choices_count_against_a_rank() {
+        use Answer::*;
+        use Chooser::*;
+        let v = |unpin_key, cool_down, strike, record_prefix, forget_prefix| Verdict {
+            unpin_key,
+            cool_down,
+            strike,
+            record_prefix,
+            forget_prefix,
+        };
+        for (answer, chooser, want) in [
+            (Served, Filter, v(false, false, false, true, false)),
+            (Served, Client, v(false, false, false, true, false)),
+            (Refused, Filter, v(false, false, false, false, false)),
+            (RankError, Filter, v(true, false, true, false, false)),
+            (RankError, Client, v(true, false, false, false, false)),
+            (RankUnreachable, Filter, v(true, true, false, false, true)),
+            (RankUnreachable, Client, v(true, false, false, false, false)),
+            (ProxyError, Filter, v(true, false, false, false, false)),
+            (Unanswered, Filter, v(true, false, false, false, false)),
+            (Unanswered, Client, v(true, false, false, false, false)),
+        ] {
+            assert_eq!(judge(answer, chooser), want, "{answer:?} {chooser:?}");
+        }
+    }
+}
