@@ -1,10 +1,12 @@
 //! What an answer (or its absence) says about the rank that served a request, and what the filter
 //! does about it. The rule keeps clients from faking a rank's failure:
 //!
-//! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own failure
-//!   answers for the request (connect failure, reset before the response, no healthy upstream,
-//!   an upstream time-out) at once; the rank's own 5xx only once `assign.failure_threshold`
-//!   different requests got one within `assign.failure_window_seconds` (strikes).
+//! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own answer
+//!   that the rank could not be reached (connect failure, reset before the response, no healthy
+//!   upstream) at once; the rank's own 5xx, and Envoy's upstream time-outs, only once
+//!   `assign.failure_threshold` different requests got one within
+//!   `assign.failure_window_seconds` (strikes). A time-out is a strike, not proof: a client that
+//!   holds its own request open (a body it never finishes) can make one happen.
 //! - A request whose rank the client chose (explicit rank, bootstrap room) never counts: a
 //!   client can make an engine answer 500 (a bad parameter) on any rank it names.
 //! - A single failure, of any kind, unpins only the routing key of the request that got it.
@@ -21,8 +23,10 @@ pub enum Answer {
     Refused,
     /// A 5xx the rank itself sent (`response.code_details` is `via_upstream`).
     RankError,
-    /// Envoy's own 5xx because the rank could not be reached or did not answer in time.
+    /// Envoy's own 5xx because the rank could not be reached.
     RankUnreachable,
+    /// Envoy's own 5xx because the rank did not answer in time.
+    RankTimeout,
     /// Envoy's own 5xx for another reason (overload, a missing cluster, …): not the rank's.
     ProxyError,
     /// The stream ended with no response at all (client gone, stream reset).
@@ -32,10 +36,14 @@ pub enum Answer {
 /// Envoy's `response.code_details` for answers the upstream sent.
 const VIA_UPSTREAM: &[u8] = b"via_upstream";
 
-/// Prefixes of Envoy's `response.code_details` that mean the rank failed the request.
-const UNREACHABLE: [&[u8]; 6] = [
+/// Prefixes of Envoy's `response.code_details` that mean the rank could not be reached.
+const UNREACHABLE: [&[u8]; 2] = [
     b"upstream_reset_before_response_started",
     b"no_healthy_upstream",
+];
+
+/// Prefixes of Envoy's `response.code_details` for an upstream that did not answer in time.
+const TIMED_OUT: [&[u8]; 4] = [
     b"upstream_response_timeout",
     b"upstream_per_try_timeout",
     b"upstream_per_try_idle_timeout",
@@ -52,6 +60,7 @@ pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
             None => Answer::RankError,
             Some(d) if d == VIA_UPSTREAM => Answer::RankError,
             Some(d) if UNREACHABLE.iter().any(|p| d.starts_with(p)) => Answer::RankUnreachable,
+            Some(d) if TIMED_OUT.iter().any(|p| d.starts_with(p)) => Answer::RankTimeout,
             Some(_) => Answer::ProxyError,
         },
         _ => Answer::Refused,
@@ -91,7 +100,7 @@ pub fn judge(answer: Answer, chooser: Chooser) -> Verdict {
             ..Verdict::default()
         },
         Answer::Refused => Verdict::default(),
-        Answer::RankError => Verdict {
+        Answer::RankError | Answer::RankTimeout => Verdict {
             unpin_key: true,
             strike: filter_chose,
             ..Verdict::default()
@@ -147,12 +156,12 @@ mod tests {
             (
                 504,
                 Some(&b"upstream_response_timeout"[..]),
-                Answer::RankUnreachable,
+                Answer::RankTimeout,
             ),
             (
                 504,
                 Some(&b"upstream_per_try_idle_timeout"[..]),
-                Answer::RankUnreachable,
+                Answer::RankTimeout,
             ),
             (503, Some(&b"overload"[..]), Answer::ProxyError),
             (503, Some(&b"cluster_not_found"[..]), Answer::ProxyError),
@@ -180,6 +189,8 @@ mod tests {
             (Refused, Filter, v(false, false, false, false, false)),
             (RankError, Filter, v(true, false, true, false, false)),
             (RankError, Client, v(true, false, false, false, false)),
+            (RankTimeout, Filter, v(true, false, true, false, false)),
+            (RankTimeout, Client, v(true, false, false, false, false)),
             (RankUnreachable, Filter, v(true, true, false, false, true)),
             (RankUnreachable, Client, v(true, false, false, false, false)),
             (ProxyError, Filter, v(true, false, false, false, false)),

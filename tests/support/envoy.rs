@@ -51,6 +51,9 @@ pub struct EnvoyConfig {
     /// Let the all-ranks route retry connect failures on another host, so a dead
     /// rank only fails requests the filter pinned to it (killed-rank scenario).
     pub fallback_retries: bool,
+    /// Both routes' `retry_policy.per_try_idle_timeout`: how long a rank may stay silent before
+    /// Envoy answers 504 (the shipped configs' value unless a test shortens it).
+    pub upstream_idle_timeout: String,
     /// Envoy access log (cluster, upstream host, flags): evidence when a test fails.
     pub access_log: Option<PathBuf>,
     pub topology: Topology,
@@ -65,6 +68,9 @@ pub struct EnvoyConfig {
     pub lds: bool,
 }
 
+/// The routes' `per_try_idle_timeout` in the shipped configs.
+pub const SHIPPED_UPSTREAM_IDLE_TIMEOUT: &str = "300s";
+
 /// The listener buffer limit of the shipped configs: lets Envoy buffer the
 /// filter's default 8 MiB body limit.
 pub const DEFAULT_BUFFER_LIMIT_BYTES: u32 = 10_485_760;
@@ -77,6 +83,7 @@ impl EnvoyConfig {
             plugin_config,
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
+            upstream_idle_timeout: SHIPPED_UPSTREAM_IDLE_TIMEOUT.to_string(),
             access_log: None,
             topology: Topology::PerRankClusters,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
@@ -147,7 +154,9 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
         "stat_prefix": "ingress_http",
         "codec_type": "AUTO",
         "route_config": match config.topology {
-            Topology::PerRankClusters => route_config(config.fallback_retries),
+            Topology::PerRankClusters => {
+                route_config(config.fallback_retries, &config.upstream_idle_timeout)
+            }
             Topology::SingleEngine => engine_route_config(),
         },
         "http_filters": http_filters,
@@ -198,10 +207,15 @@ fn wasm_filter(wasm: &Path, config: &EnvoyConfig) -> Value {
     })
 }
 
-fn route_config(fallback_retries: bool) -> Value {
-    let mut fallback_route = json!({ "cluster": ALL_RANKS_CLUSTER, "timeout": "0s" });
+fn route_config(fallback_retries: bool, idle_timeout: &str) -> Value {
+    let mut fallback_route = json!({
+        "cluster": ALL_RANKS_CLUSTER,
+        "timeout": "0s",
+        "retry_policy": { "per_try_idle_timeout": idle_timeout }
+    });
     if fallback_retries {
         fallback_route["retry_policy"] = json!({
+            "per_try_idle_timeout": idle_timeout,
             "retry_on": "connect-failure,refused-stream",
             "num_retries": 3,
             "retry_host_predicate": [{
@@ -225,7 +239,11 @@ fn route_config(fallback_retries: bool) -> Value {
                         "prefix": "/",
                         "headers": [{ "name": CLUSTER_HEADER, "present_match": true }]
                     },
-                    "route": { "cluster_header": CLUSTER_HEADER, "timeout": "0s" },
+                    "route": {
+                        "cluster_header": CLUSTER_HEADER,
+                        "timeout": "0s",
+                        "retry_policy": { "per_try_idle_timeout": idle_timeout }
+                    },
                     "request_headers_to_remove": [CLUSTER_HEADER]
                 },
                 { "match": { "prefix": "/" }, "route": fallback_route }

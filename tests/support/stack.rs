@@ -31,6 +31,8 @@ pub struct StackOptions {
     pub with_filter: bool,
     pub allow_on_headers_stop_iteration: bool,
     pub fallback_retries: bool,
+    /// Overrides the routes' `per_try_idle_timeout` (e.g. "2s" for a hung-rank test).
+    pub upstream_idle_timeout: Option<String>,
     /// Another filter build than the shipped one (`None`: `paths::wasm_path()`).
     pub wasm: Option<std::path::PathBuf>,
     /// Extra arguments for one rank only (after `mock_args`), e.g. a slow rank.
@@ -52,6 +54,7 @@ impl StackOptions {
             with_filter: true,
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
+            upstream_idle_timeout: None,
             wasm: None,
             rank_args: BTreeMap::new(),
             engine: false,
@@ -98,6 +101,11 @@ impl StackOptions {
     /// Loads another build of the filter (e.g. `paths::fault_wasm_path()`).
     pub fn wasm(mut self, path: std::path::PathBuf) -> StackOptions {
         self.wasm = Some(path);
+        self
+    }
+
+    pub fn upstream_idle_timeout(mut self, timeout: &str) -> StackOptions {
+        self.upstream_idle_timeout = Some(timeout.to_string());
         self
     }
 
@@ -154,6 +162,9 @@ impl Stack {
         );
         config.allow_on_headers_stop_iteration = options.allow_on_headers_stop_iteration;
         config.fallback_retries = options.fallback_retries;
+        if let Some(timeout) = &options.upstream_idle_timeout {
+            config.upstream_idle_timeout = timeout.clone();
+        }
         config.access_log = Some(dir.join("access.log"));
         config.buffer_limit_bytes = options.buffer_limit_bytes;
         config.max_request_headers_kb = options.max_request_headers_kb;

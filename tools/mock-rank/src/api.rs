@@ -198,7 +198,16 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
         Route::Health => http::write_response(w, &meta, 200, "text/plain", b"ok"),
         Route::Models => write_json(w, &meta, 200, &models(srv, req)),
         Route::Llm(api) => match srv.dispatch(&req.head) {
-            Ok(rank) => serve_llm(w, srv, rank, req, api),
+            Ok(rank) => match requested_failure(&req.head) {
+                // An engine answers some requests with an error of its own (a parameter it
+                // rejects, an internal error): the tests ask for one with `x-mock-fail`.
+                Some(status) => {
+                    let meta = ResponseMeta::for_request(Some(rank), &req.head);
+                    let body = error_json(Some(rank), "failure requested", "mock_failure");
+                    write_json(w, &meta, status, &with_mock(body, srv, req))
+                }
+                None => serve_llm(w, srv, rank, req, api),
+            },
             Err(msg) => {
                 let body = error_json(rank, &msg, "invalid_request_error");
                 write_json(w, &meta, 400, &with_mock(body, srv, req))
@@ -218,6 +227,16 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
             write_json(w, &meta, 404, &with_mock(body, srv, req))
         }
     }
+}
+
+/// The status an LLM request asks to be answered with (`x-mock-fail: 400..=599`).
+fn requested_failure(head: &Head) -> Option<u16> {
+    let (_, value) = head.headers.iter().find(|(n, _)| n == "x-mock-fail")?;
+    value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|s| (400..=599).contains(s))
 }
 
 /// Body of the answer to a request that could not be parsed.
@@ -659,6 +678,22 @@ mod tests {
         head.lines()
             .find_map(|l| l.strip_prefix("x-dp-rank: "))
             .map(|v| v.parse().expect("numeric x-dp-rank"))
+    }
+
+    #[test]
+    fn a_requested_failure_is_answered_with_its_status_and_rank() {
+        let req = request(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-mock-fail: 500\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        let (head, body) = run(&req);
+        assert!(head.starts_with("HTTP/1.1 500"), "{head}");
+        assert!(head.contains("x-dp-rank: 3"), "{head}");
+        assert!(body.contains("mock_failure"), "{body}");
+        // Out of range: served as usual.
+        let req = request(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-mock-fail: 200\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        assert!(run(&req).0.starts_with("HTTP/1.1 200"));
     }
 
     #[test]

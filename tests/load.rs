@@ -1,0 +1,436 @@
+//! Load state that converges to the truth by itself, and failure evidence no client can fake,
+//! through a real Envoy (two workers) with the real `.wasm`.
+//!
+//! The per-rank gauges (`dp_affinity.rank_inflight.<r>`, `dp_affinity.rank_cooling_down.<r>`)
+//! are what placement believes. Every scenario injects a fault that used to leave the counts
+//! up for good — lost compare-and-swap races, a VM trap with requests in flight, a plugin
+//! configuration reload under load, clients that abandon their streams — and then measures how
+//! long the gauges take to read 0 again once no request is in flight. The bound asserted is the
+//! documented one: a VM's column lives `LEASE_SECONDS` (5 s) after its last stamp, gauges are
+//! set once a second, plus a second of slack for a busy machine.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use support::envoy::{Envoy, EnvoyConfig};
+use support::http::Response;
+use support::mock::MockRank;
+use support::paths;
+use support::requests::{chat, keyed, plugin_config, DP_SIZE, RANK_HEADER};
+use support::stack::{served_rank, Stack, StackOptions};
+use support::tempdir::TestDir;
+
+/// Documented convergence bound (README, "Load state"): lease 5 s + the 1 s gauge tick + 1 s.
+const CONVERGE: Duration = Duration::from_secs(7);
+/// The filter VMs of a test Envoy: two workers and the main thread.
+const VMS: u64 = 3;
+
+fn metric(envoy: &Envoy, name: &str) -> u64 {
+    let stats = envoy.stats("dp_affinity");
+    let suffix = format!("dp_affinity.{name}");
+    stats
+        .iter()
+        .find(|(full, _)| full.ends_with(&suffix))
+        .map(|(_, v)| *v)
+        .unwrap_or_else(|| panic!("no metric {suffix} at /stats: {stats:#?}"))
+}
+
+fn gauges(envoy: &Envoy, name: &str) -> Vec<u64> {
+    (0..DP_SIZE)
+        .map(|r| metric(envoy, &format!("{name}.{r}")))
+        .collect()
+}
+
+fn inflight(envoy: &Envoy) -> Vec<u64> {
+    gauges(envoy, "rank_inflight")
+}
+
+/// Waits until every VM has flushed its counters at least once after this call (each VM adds
+/// one to `stats_flushes` per flush), so a counter read afterwards holds what was counted
+/// before it.
+fn settle(envoy: &Envoy) {
+    let start = metric(envoy, "stats_flushes");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(envoy, "stats_flushes") < start + 2 * VMS {
+        assert!(Instant::now() < deadline, "counters were not flushed");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Polls until every rank's in-flight gauge reads 0; returns how long that took from `since`.
+fn converged(envoy: &Envoy, since: Instant, what: &str) -> Duration {
+    loop {
+        let now = inflight(envoy);
+        if now.iter().all(|&n| n == 0) {
+            return since.elapsed();
+        }
+        assert!(
+            since.elapsed() < CONVERGE,
+            "{what}: in-flight gauges still {now:?} after {:?}",
+            since.elapsed()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Polls until the in-flight gauges add up to at least `n`.
+fn wait_inflight_at_least(envoy: &Envoy, n: u64) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = inflight(envoy);
+        if now.iter().sum::<u64>() >= n {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "in flight {now:?}, wanted {n} in all"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends `n` requests at once, each on its own connection; returns the answers.
+fn concurrently(
+    addr: std::net::SocketAddr,
+    n: usize,
+    request: impl Fn(usize) -> support::http::Request,
+) -> Vec<thread::JoinHandle<Response>> {
+    (0..n)
+        .map(|i| {
+            let req = request(i);
+            thread::spawn(move || support::http::send(addr, &req))
+        })
+        .collect()
+}
+
+fn pin_keys(stack: &Stack, keys: &[String]) -> Vec<u32> {
+    keys.iter()
+        .map(|k| {
+            let first = served_rank(&stack.send(&keyed(k)));
+            assert_eq!(served_rank(&stack.send(&keyed(k))), first, "{k} not pinned");
+            first
+        })
+        .collect()
+}
+
+#[test]
+fn client_chosen_failures_neither_cool_down_nor_move_conversations() {
+    let stack = Stack::start(
+        "load_abuse",
+        StackOptions::new(plugin_config(json!({ "assign": { "mode": "hash" } }))),
+    );
+    let keys: Vec<String> = (0..40).map(|i| format!("conversation-{i}")).collect();
+    let ranks = pin_keys(&stack, &keys);
+    // The abuse: for every rank, five requests naming it that the engine answers with 500.
+    for rank in 0..DP_SIZE {
+        for _ in 0..5 {
+            let failed = stack.send(
+                &chat(json!({}))
+                    .header(RANK_HEADER, &rank.to_string())
+                    .header("x-mock-fail", "500"),
+            );
+            assert_eq!(failed.status, 500, "{}", failed.text());
+        }
+    }
+    let moved: Vec<&String> = keys
+        .iter()
+        .zip(&ranks)
+        .filter(|(k, &r)| served_rank(&stack.send(&keyed(k))) != r)
+        .map(|(k, _)| k)
+        .collect();
+    assert!(moved.is_empty(), "conversations moved: {moved:?}");
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "explicit"), 20);
+    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
+    assert_eq!(metric(&stack.envoy, "rank_errors"), 0);
+    assert_eq!(metric(&stack.envoy, "moved"), 0);
+    assert_eq!(gauges(&stack.envoy, "rank_cooling_down"), [0, 0, 0, 0]);
+    println!("abuse: 20 client-chosen 500s, 40 conversations, 0 moved, 0 cool-downs");
+}
+
+#[test]
+fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key() {
+    let stack = Stack::start(
+        "load_strikes",
+        StackOptions::new(plugin_config(json!({
+            "assign": {
+                "mode": "hash",
+                "failure_threshold": 3,
+                "failure_window_seconds": 30,
+                "cooldown_seconds": 60
+            }
+        }))),
+    );
+    let keys: Vec<String> = (0..32).map(|i| format!("k-{i}")).collect();
+    let ranks = pin_keys(&stack, &keys);
+    let target = ranks[0];
+    let on_target: Vec<&String> = keys
+        .iter()
+        .zip(&ranks)
+        .filter(|(_, &r)| r == target)
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        on_target.len() >= 5,
+        "too few keys on rank {target}: {ranks:?}"
+    );
+    let (failing, bystanders) = on_target.split_at(3);
+
+    // One error unpins only the key that got it.
+    let failed = stack.send(&keyed(failing[0]).header("x-mock-fail", "500"));
+    assert_eq!((failed.status, served_rank_of(&failed)), (500, target));
+    for k in bystanders {
+        assert_eq!(
+            served_rank(&stack.send(&keyed(k))),
+            target,
+            "{k} moved after one error"
+        );
+    }
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "unpinned"), 1);
+    assert_eq!(metric(&stack.envoy, "rank_errors"), 1);
+    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
+    assert_eq!(
+        gauges(&stack.envoy, "rank_cooling_down")[target as usize],
+        0
+    );
+
+    // Errors from three different requests within the window: the rank cools down and the
+    // conversations pinned to it move.
+    for k in &failing[1..] {
+        let failed = stack.send(&keyed(k).header("x-mock-fail", "500"));
+        assert_eq!(failed.status, 500);
+    }
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 1);
+    let cooling = gauges(&stack.envoy, "rank_cooling_down");
+    assert_eq!(cooling[target as usize], 1, "{cooling:?}");
+    for k in bystanders {
+        assert_ne!(
+            served_rank(&stack.send(&keyed(k))),
+            target,
+            "{k} stayed on a cooling rank"
+        );
+    }
+}
+
+fn served_rank_of(response: &Response) -> u32 {
+    response
+        .header("x-dp-rank")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no x-dp-rank: {:?}", response.headers))
+}
+
+#[test]
+fn counts_converge_after_lost_races_on_two_workers() {
+    let stack = Stack::start(
+        "load_cas",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "least_inflight" },
+            "table": { "cas_retries": 0 }
+        })))
+        .mock_args(&["--delay-ms", "50"]),
+    );
+    // 64 keep-alive connections, 40 requests each: both workers acquire and release the same
+    // board key thousands of times, and with no retry every lost race is a lost write.
+    let addr = stack.addr();
+    let clients: Vec<thread::JoinHandle<Vec<u16>>> = (0..64)
+        .map(|c| {
+            thread::spawn(move || {
+                let mut client = support::http::Client::new(addr);
+                (0..40)
+                    .map(|i| {
+                        let q = format!("c{c}-{i}");
+                        client
+                            .send(&chat(
+                                json!({ "messages": [{ "role": "user", "content": q }] }),
+                            ))
+                            .status
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let peak = wait_inflight_at_least(&stack.envoy, 1);
+    let statuses: Vec<u16> = clients
+        .into_iter()
+        .flat_map(|c| c.join().expect("client"))
+        .collect();
+    let done = Instant::now();
+    assert!(statuses.iter().all(|&s| s == 200), "not all answered 200");
+    let took = converged(
+        &stack.envoy,
+        done,
+        "after 2,560 requests with cas_retries 0",
+    );
+    settle(&stack.envoy);
+    let exhausted = metric(&stack.envoy, "cas_exhausted");
+    println!(
+        "cas: 64 connections x 40 requests, a gauge sample {peak:?}, cas_exhausted {exhausted}, back to 0 in {took:?}"
+    );
+}
+
+#[test]
+fn a_vm_trap_with_requests_in_flight_leaves_no_load_behind() {
+    let stack = Stack::start(
+        "load_trap",
+        StackOptions::new(plugin_config(
+            json!({ "assign": { "mode": "least_inflight" } }),
+        ))
+        .wasm(paths::fault_wasm_path())
+        .mock_args(&["--delay-ms", "3000"]),
+    );
+    let answers = concurrently(stack.addr(), 16, |i| {
+        chat(json!({ "messages": [{ "role": "user", "content": format!("t{i}") }] }))
+    });
+    let before = wait_inflight_at_least(&stack.envoy, 16);
+    // Trap the VMs (each panic request kills the VM of the worker that took it).
+    let mut traps = 0;
+    for _ in 0..4 {
+        let r = stack.send(&chat(json!({})).header("x-dp-affinity-test-panic", "1"));
+        traps += u32::from(r.status == 503);
+    }
+    assert!(traps >= 1, "no VM trapped");
+    let statuses: Vec<u16> = answers
+        .into_iter()
+        .map(|a| a.join().expect("client").status)
+        .collect();
+    let done = Instant::now();
+    let took = converged(&stack.envoy, done, "after a VM trap with 16 in flight");
+    println!(
+        "trap: in flight {before:?}, {traps} trapping requests, answers {statuses:?}, back to 0 in {took:?}"
+    );
+    // The reloaded VMs route again.
+    assert_eq!(stack.send(&keyed("after-trap")).status, 200);
+}
+
+#[test]
+fn a_config_reload_under_load_leaves_no_load_behind() {
+    let dir = TestDir::new("load_reload");
+    let mocks: Vec<MockRank> = (0..DP_SIZE)
+        .map(|rank| MockRank::start(rank, &["--delay-ms", "2500"], dir.path()))
+        .collect();
+    let mut config = EnvoyConfig::new(
+        mocks.iter().map(MockRank::port).collect(),
+        Some(paths::wasm_path()),
+        plugin_config(json!({ "assign": { "mode": "least_inflight", "seed": "a" } })),
+    );
+    config.lds = true;
+    let envoy = Envoy::start(&config, dir.path());
+    // Wait for the listener, then load it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while envoy.send(&chat(json!({}))).status != 200 {
+        assert!(Instant::now() < deadline, "listener never served");
+        thread::sleep(Duration::from_millis(100));
+    }
+    let answers = concurrently(envoy.listen_addr(), 16, |i| {
+        chat(json!({ "messages": [{ "role": "user", "content": format!("r{i}") }] }))
+    });
+    let before = wait_inflight_at_least(&envoy, 16);
+    config.plugin_config =
+        plugin_config(json!({ "assign": { "mode": "least_inflight", "seed": "b" } }));
+    envoy.update_listener(&config);
+    let more = concurrently(envoy.listen_addr(), 16, |i| {
+        chat(json!({ "messages": [{ "role": "user", "content": format!("s{i}") }] }))
+    });
+    let statuses: Vec<u16> = answers
+        .into_iter()
+        .chain(more)
+        .map(|a| a.join().expect("client").status)
+        .collect();
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let done = Instant::now();
+    let took = converged(&envoy, done, "after a reload under load");
+    println!("reload: in flight {before:?} at the reload, 32 answered, back to 0 in {took:?}");
+}
+
+#[test]
+fn abandoned_streams_release_their_load() {
+    let stack = Stack::start(
+        "load_abandon",
+        StackOptions::new(plugin_config(
+            json!({ "assign": { "mode": "least_inflight" } }),
+        ))
+        .mock_args(&["--stream-interval-ms", "200"]),
+    );
+    let addr = stack.addr();
+    let clients: Vec<thread::JoinHandle<usize>> = (0..100)
+        .map(|i| {
+            thread::spawn(move || {
+                let body = json!({
+                    "model": "mock",
+                    "stream": true,
+                    "max_tokens": 50,
+                    "messages": [{ "role": "user", "content": format!("a{i}") }]
+                })
+                .to_string();
+                let mut s = TcpStream::connect(addr).expect("connect");
+                let head = format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                s.write_all(head.as_bytes()).expect("write");
+                s.write_all(body.as_bytes()).expect("write");
+                // Read the start of the stream, then walk away mid-stream.
+                let mut buf = [0u8; 512];
+                let n = s.read(&mut buf).unwrap_or(0);
+                drop(s);
+                n
+            })
+        })
+        .collect();
+    let read: Vec<usize> = clients
+        .into_iter()
+        .map(|c| c.join().expect("client"))
+        .collect();
+    assert!(
+        read.iter().all(|&n| n > 0),
+        "a stream never started: {read:?}"
+    );
+    let done = Instant::now();
+    let took = converged(&stack.envoy, done, "after 100 abandoned streams");
+    println!("abandon: 100 streams dropped mid-way, back to 0 in {took:?}");
+}
+
+#[test]
+fn a_hung_rank_is_drained_of_pinned_traffic() {
+    const HUNG: u32 = 1;
+    let stack = Stack::start(
+        "load_hung",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "hash", "cooldown_seconds": 60 }
+        })))
+        .rank_args(HUNG, &["--delay-ms", "600000"])
+        .upstream_idle_timeout("2s"),
+    );
+    let addr = stack.addr();
+    let started = Instant::now();
+    let first = concurrently(addr, 40, |i| keyed(&format!("h-{i}")));
+    let firsts: Vec<Response> = first
+        .into_iter()
+        .map(|a| a.join().expect("client"))
+        .collect();
+    let drained_after = started.elapsed();
+    let hung: Vec<usize> = (0..40).filter(|&i| firsts[i].status != 200).collect();
+    assert!(hung.len() >= 3, "fewer than 3 keys placed on the hung rank");
+    for &i in &hung {
+        assert_eq!(firsts[i].status, 504, "{}", firsts[i].text());
+    }
+    settle(&stack.envoy);
+    assert_eq!(gauges(&stack.envoy, "rank_cooling_down")[HUNG as usize], 1);
+    // Every conversation's next turn is served, none by the hung rank.
+    for i in 0..40 {
+        let r = served_rank(&stack.send(&keyed(&format!("h-{i}"))));
+        assert_ne!(r, HUNG, "h-{i} went back to the hung rank");
+    }
+    println!(
+        "hung: {} of 40 first turns timed out (504 after the 2 s idle timeout), all drained in {drained_after:?}; next turns all elsewhere",
+        hung.len()
+    );
+}
