@@ -434,3 +434,31 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
         hung.len()
     );
 }
+
+#[test]
+fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
+    let stack = Stack::start(
+        "load_gone",
+        StackOptions::new(plugin_config(json!({ "assign": { "mode": "hash" } })))
+            .mock_args(&["--delay-ms", "600"]),
+    );
+    let keys: Vec<String> = (0..4).map(|i| format!("g-{i}")).collect();
+    let ranks = pin_keys(&stack, &keys);
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "unpinned"), 0);
+    // The client of g-0 gives up before the rank answers.
+    let mut s = TcpStream::connect(stack.addr()).expect("connect");
+    let req = keyed("g-0").encode(false);
+    s.write_all(&req).expect("write");
+    thread::sleep(Duration::from_millis(200));
+    drop(s);
+    thread::sleep(Duration::from_millis(600));
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "unanswered"), 1);
+    assert_eq!(metric(&stack.envoy, "unpinned"), 1);
+    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
+    // Everyone else keeps their rank.
+    for (k, r) in keys.iter().zip(&ranks).skip(1) {
+        assert_eq!(served_rank(&stack.send(&keyed(k))), *r, "{k} moved");
+    }
+}
