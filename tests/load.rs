@@ -462,3 +462,30 @@ fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
         assert_eq!(served_rank(&stack.send(&keyed(k))), *r, "{k} moved");
     }
 }
+
+#[test]
+fn only_a_served_prompt_is_recorded_in_the_prefix_index() {
+    let stack = Stack::start(
+        "load_record",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "least_inflight" },
+            "prefix": { "enabled": true }
+        }))),
+    );
+    let prompt = "a long shared document. ".repeat(200);
+    let request = || chat(json!({ "messages": [{ "role": "user", "content": prompt }] }));
+    for status in ["400", "413", "429", "500"] {
+        let refused = stack.send(&request().header("x-mock-fail", status));
+        assert_eq!(refused.status.to_string(), status);
+    }
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "prefix_recorded"), 0);
+    assert_eq!(stack.send(&request()).status, 200);
+    settle(&stack.envoy);
+    assert_eq!(metric(&stack.envoy, "prefix_recorded"), 1);
+    // The next request with that prompt finds it.
+    let rank = served_rank(&stack.send(&request()));
+    assert_eq!(served_rank(&stack.send(&request())), rank);
+    settle(&stack.envoy);
+    assert!(metric(&stack.envoy, "prefix_hit") >= 2);
+}
