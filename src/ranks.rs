@@ -87,6 +87,8 @@ pub struct LocalLoad {
     inflight: Vec<u32>,
     /// The counts changed since they were last published.
     dirty: bool,
+    /// The last successful write left a column of ours on the board (it had counts).
+    in_board: bool,
 }
 
 impl LocalLoad {
@@ -95,6 +97,7 @@ impl LocalLoad {
             id: None,
             inflight: vec![0; dp_size as usize],
             dirty: false,
+            in_board: false,
         }
     }
 
@@ -381,7 +384,7 @@ impl RankBoard {
         local: &mut LocalLoad,
         now: u32,
     ) -> (RankStates, BoardEvents) {
-        if local.id.is_none() && local.idle() {
+        if !local.in_board && !local.dirty && local.idle() {
             return (self.read(store, local, now), BoardEvents::default());
         }
         local.dirty = true;
@@ -424,6 +427,7 @@ impl RankBoard {
             board.put_column(id, &counts, now);
             match store.set(&self.key, &board.encode(), cas) {
                 Ok(()) => {
+                    local.in_board = counts.iter().any(|&n| n > 0);
                     local.inflight = counts;
                     local.id = Some(id);
                     local.dirty = false;
@@ -590,11 +594,14 @@ mod tests {
         assert_eq!(b.read(&s, &a, 100).inflight(0), 2);
         b.release(&s, &mut a, 101, 0);
         b.release(&s, &mut a, 101, 1);
-        // Idle: the tick removes the column.
-        b.publish(&s, &mut a, 102);
+        // Idle: its last release removed the column; a tick then only reads.
         let value = s.get("t/load/2").0.unwrap();
         assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
-        assert_eq!(seen(&s, &b, 102), [1, 0]);
+        let cas = s.get("t/load/2").1;
+        b.publish(&s, &mut a, 102);
+        b.publish(&s, &mut a, 103);
+        assert_eq!(s.get("t/load/2").1, cas, "an idle VM's tick wrote");
+        assert_eq!(seen(&s, &b, 103), [1, 0]);
     }
 
     #[test]
