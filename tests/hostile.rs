@@ -193,10 +193,16 @@ fn assert_sticky(stack: &Stack, label: &str, request: &Request, turns: usize) ->
     ranks[0]
 }
 
-/// Envoy's connection-manager stat `http.ingress_http.<name>`.
+/// Envoy's connection-manager stat `http.ingress_http.<name>`. Envoy defines these
+/// with the connection manager and updates them at once (no flush to wait for), so
+/// a name it does not show is a mistake in the test.
 fn ingress_stat(stack: &Stack, name: &str) -> u64 {
     let full = format!("http.ingress_http.{name}");
-    stack.envoy.stats(name).get(&full).copied().unwrap_or(0)
+    let stats = stack.envoy.stats(name);
+    stats
+        .get(&full)
+        .copied()
+        .unwrap_or_else(|| panic!("Envoy shows no {full}; matching stats: {stats:#?}"))
 }
 
 /// Asserts `response` is the filter's 400 for an invalid explicit rank in `param`.
@@ -310,12 +316,10 @@ fn body_over_filter_limit_passes_through() {
         assert_body_reached(&response, &body, &format!("chunked, gap {gap:?}"));
         served_rank(&response);
     }
-    s.assert_counter("body_too_large", 4);
+    let counters = s.settled();
+    counters.assert_eq("body_too_large", 4);
     // Not read, so not pinned: no key decision was made at all.
-    s.assert_counter("affinity_miss", 0);
-    s.assert_counter("affinity_hit", 0);
-    s.assert_counter("learned", 0);
-    s.assert_counter("no_key", 0);
+    counters.assert_zero(&["affinity_miss", "affinity_hit", "learned", "no_key"]);
     // The same key in a small body is new to the table.
     let small = json_raw(r#"{"routing_key":"too-big-key","model":"m"}"#);
     assert_sticky(&s, "small body, same key", &small, 3);
@@ -397,17 +401,12 @@ fn body_over_envoy_buffer_limit_is_413() {
             "rank {rank} received an over-limit request: {stats}"
         );
     }
-    // Counters reach Envoy once a second per worker: wait past a flush so a
-    // count for those requests would show.
-    std::thread::sleep(COUNTER_FLUSH);
-    for counter in [
+    s.settled().assert_zero(&[
         "affinity_miss",
         "no_key",
         "body_too_large",
         "body_malformed",
-    ] {
-        s.assert_counter(counter, 0);
-    }
+    ]);
     let access_log = s.envoy.access_log();
     let refused: Vec<&str> = access_log.lines().filter(|l| l.contains(" 413 ")).collect();
     eprintln!("access log of the 413s:\n{}", refused.join("\n"));
@@ -485,11 +484,9 @@ fn malformed_json_falls_back() {
         assert_body_reached(&response, body, &format!("{label}, chunked"));
     }
     let malformed = (cases.len() + 4) as u64;
-    s.assert_counter("body_malformed", malformed);
-    s.assert_counter("affinity_miss", 0);
-    s.assert_counter("learned", 0);
-    s.assert_counter("invalid_rank", 0);
-    s.assert_counter("no_key", 0);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", malformed);
+    counters.assert_zero(&["affinity_miss", "learned", "invalid_rank", "no_key"]);
 
     // An empty body labelled JSON: with `content-length: 0` Envoy ends the stream
     // at the headers, so there is no body to read (counted `no_key`, not
@@ -501,8 +498,9 @@ fn malformed_json_falls_back() {
     s.assert_counter("no_key", 1);
     let response = client.send_pieces(&empty.chunked_pieces(&[], false), Duration::ZERO, "POST");
     assert_body_reached(&response, b"", "empty, chunked");
-    s.assert_counter("body_malformed", malformed + 1);
-    s.assert_counter("no_key", 1);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", malformed + 1);
+    counters.assert_eq("no_key", 1);
     s.assert_vm_healthy();
 }
 
@@ -549,8 +547,9 @@ fn deep_nesting() {
     short.extend_from_slice(br#","routing_key":"short"}"#);
     let response = s.send(&json_raw(short.clone()));
     assert_body_reached(&response, &short, "one bracket unclosed");
-    s.assert_counter("body_malformed", 2);
-    s.assert_counter("affinity_miss", 2);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", 2);
+    counters.assert_eq("affinity_miss", 2);
     s.assert_vm_healthy();
 }
 
@@ -585,8 +584,9 @@ fn field_value_types() {
         assert_body_reached(&response, body.as_bytes(), &format!("routing_key {value}"));
         served_rank(&response);
     }
-    s.assert_counter("no_key", not_keys.len() as u64);
-    s.assert_counter("affinity_miss", 0);
+    let counters = s.settled();
+    counters.assert_eq("no_key", not_keys.len() as u64);
+    counters.assert_zero(&["affinity_miss"]);
 
     // A non-string key field yields to the next configured field.
     let next = json_raw(r#"{"routing_key":1,"prompt_cache_key":{},"user":"the-user"}"#);
@@ -598,10 +598,11 @@ fn field_value_types() {
     assert_sticky(&s, "routing_key \"s\"", &string_key, 3);
     let long_key = json_raw(format!(r#"{{"model":"m","routing_key":{long}}}"#));
     assert_sticky(&s, "routing_key of 100 KiB", &long_key, 3);
-    s.assert_counter("affinity_miss", 3);
-    s.assert_counter("affinity_hit", 1 + 1 + 2 + 2);
-    s.assert_counter("key_too_long", 3);
-    s.assert_counter("no_key", not_keys.len() as u64);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 3);
+    counters.assert_eq("affinity_hit", 1 + 1 + 2 + 2);
+    counters.assert_eq("key_too_long", 3);
+    counters.assert_eq("no_key", not_keys.len() as u64);
 
     // Ranks: integers in range route (and do not touch the table).
     for (value, rank) in [("0", 0), ("1", 1), ("3", 3)] {
@@ -623,8 +624,9 @@ fn field_value_types() {
     );
     let null_only = json_raw(r#"{"model":"m","data_parallel_rank":null}"#);
     served_rank(&s.send(&null_only));
-    s.assert_counter("explicit", 6);
-    s.assert_counter("no_key", not_keys.len() as u64 + 1);
+    let counters = s.settled();
+    counters.assert_eq("explicit", 6);
+    counters.assert_eq("no_key", not_keys.len() as u64 + 1);
 
     let invalid = [
         "true",
@@ -660,8 +662,9 @@ fn field_value_types() {
             rejected += 1;
         }
     }
-    s.assert_counter("invalid_rank", rejected);
-    s.assert_counter("explicit", 6);
+    let counters = s.settled();
+    counters.assert_eq("invalid_rank", rejected);
+    counters.assert_eq("explicit", 6);
     s.assert_vm_healthy();
 }
 
@@ -734,8 +737,8 @@ fn header_bytes_and_sizes() {
         assert_eq!(response.status, 431, "64 KiB {header}: {status_line:?}");
         assert_eq!(response.text(), "Request Header Fields Too Large");
     }
-    // Envoy refused them before any filter ran: no counter moved (past a flush).
-    std::thread::sleep(COUNTER_FLUSH);
+    // Envoy refused them before any filter ran: no counter moved (once every VM flushed).
+    let counters = s.settled();
     let access_log = s.envoy.access_log();
     let refused: Vec<&str> = access_log.lines().filter(|l| l.contains(" 431 ")).collect();
     eprintln!("access log of the 431s:\n{}", refused.join("\n"));
@@ -743,9 +746,9 @@ fn header_bytes_and_sizes() {
     // callback; Envoy counts a protocol error per connection.
     assert!(refused.is_empty(), "{refused:?}");
     assert_eq!(ingress_stat(&s, "downstream_cx_protocol_error"), 2);
-    s.assert_counter("affinity_miss", 2);
-    s.assert_counter("invalid_rank", 2);
-    s.assert_counter("key_too_long", 3);
+    counters.assert_eq("affinity_miss", 2);
+    counters.assert_eq("invalid_rank", 2);
+    counters.assert_eq("key_too_long", 3);
     s.assert_vm_healthy();
 }
 
@@ -833,8 +836,9 @@ fn duplicate_and_conflicting_headers() {
         "x-smg-routing-key wins"
     );
     // Every one of those was a hit on an existing pin: no new key appeared.
-    s.assert_counter("affinity_hit", keys_learned + 4 + 1 + 1 + 1);
-    s.assert_counter("affinity_miss", keys_learned);
+    let counters = s.settled();
+    counters.assert_eq("affinity_hit", keys_learned + 4 + 1 + 1 + 1);
+    counters.assert_eq("affinity_miss", keys_learned);
     s.assert_vm_healthy();
 }
 
@@ -861,8 +865,9 @@ fn lying_content_type() {
         let response = s.send(&raw(content_type, json_body.clone()));
         assert_body_reached(&response, &json_body, content_type);
     }
-    s.assert_counter("no_key", 3);
-    s.assert_counter("affinity_miss", 0);
+    let counters = s.settled();
+    counters.assert_eq("no_key", 3);
+    counters.assert_zero(&["affinity_miss"]);
 
     for (i, content_type) in [
         "Application/JSON; charset=utf-8",
@@ -875,10 +880,11 @@ fn lying_content_type() {
         let body = format!(r#"{{"model":"m","routing_key":"content-type-{i}"}}"#);
         assert_sticky(&s, content_type, &raw(content_type, body), 2);
     }
-    s.assert_counter("affinity_miss", 3);
-    s.assert_counter("affinity_hit", 3);
-    s.assert_counter("no_key", 3);
-    s.assert_counter("body_malformed", 1);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 3);
+    counters.assert_eq("affinity_hit", 3);
+    counters.assert_eq("no_key", 3);
+    counters.assert_eq("body_malformed", 1);
     s.assert_vm_healthy();
 }
 
@@ -924,9 +930,10 @@ fn chunks_split_at_every_offset() {
     assert_eq!(served_rank(&response), rank, "one byte per chunk");
     requests += 1;
 
-    s.assert_counter("affinity_miss", 1);
-    s.assert_counter("affinity_hit", requests);
-    s.assert_counter("body_malformed", 0);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 1);
+    counters.assert_eq("affinity_hit", requests);
+    counters.assert_zero(&["body_malformed"]);
     s.assert_vm_healthy();
 }
 
@@ -983,18 +990,21 @@ fn flood_of_distinct_keys() {
         "flood: {KEYS} keys over {CONNECTIONS} connections in {elapsed:?} ({:.0} req/s)",
         KEYS as f64 / elapsed.as_secs_f64()
     );
-    s.assert_counter("affinity_miss", KEYS as u64);
-    s.assert_counter("affinity_hit", 0);
-    // Pins are written when the response arrives, after the miss was counted.
-    std::thread::sleep(COUNTER_FLUSH);
-    let exhausted = s.counter("cas_exhausted");
-    let retries = s.counter("cas_retries");
-    eprintln!("flood: cas_retries {retries}, cas_exhausted {exhausted}");
-    assert_eq!(exhausted, 0, "pins abandoned after CAS conflicts");
-    s.assert_counter("learned", KEYS as u64);
+    // Pins are written when the response arrives, after the miss was counted: both are in by
+    // the time every VM has flushed.
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", KEYS as u64);
+    counters.assert_zero(&["affinity_hit"]);
+    eprintln!(
+        "flood: cas_retries {}, cas_exhausted {}",
+        counters.get("cas_retries"),
+        counters.get("cas_exhausted")
+    );
+    counters.assert_zero(&["cas_exhausted"]);
+    counters.assert_eq("learned", KEYS as u64);
     // Each bucket received ~390 keys: all full, so every pin past the first
     // 1,024 evicted exactly one live entry.
-    s.assert_counter("evictions", KEYS as u64 - ENTRIES);
+    counters.assert_eq("evictions", KEYS as u64 - ENTRIES);
 
     // The keys each connection sent last are still resident, on their rank.
     let recent: Vec<(String, u32)> = recent.into_iter().flatten().collect();
@@ -1007,8 +1017,9 @@ fn flood_of_distinct_keys() {
         })
         .collect();
     assert!(moved.is_empty(), "recent keys lost their pin: {moved:?}");
-    s.assert_counter("affinity_hit", recent.len() as u64);
-    s.assert_counter("affinity_miss", KEYS as u64);
+    let counters = s.settled();
+    counters.assert_eq("affinity_hit", recent.len() as u64);
+    counters.assert_eq("affinity_miss", KEYS as u64);
     s.assert_vm_healthy();
 }
 

@@ -26,6 +26,11 @@ pub const CLUSTER_HEADER: &str = "x-dp-affinity-cluster";
 pub const ALL_RANKS_CLUSTER: &str = "dp-all";
 /// The only cluster of the single-engine topology.
 pub const ENGINE_CLUSTER: &str = "engine";
+/// Envoy's worker threads (`--concurrency`).
+pub const CONCURRENCY: u32 = 2;
+/// The filter's VMs in one Envoy: one per worker, plus the one on the main thread (it too runs
+/// the tick that flushes counters).
+pub const FILTER_VMS: u64 = CONCURRENCY as u64 + 1;
 
 /// How the upstreams are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -384,7 +389,7 @@ impl Envoy {
         let child = Command::new(paths::envoy_bin())
             .arg("-c")
             .arg(&config_path)
-            .args(["--concurrency", "2"])
+            .args(["--concurrency", &CONCURRENCY.to_string()])
             .args(["--base-id", &base_id.to_string()])
             .args(["--log-level", "info"])
             .args(["--component-log-level", "wasm:debug"])
