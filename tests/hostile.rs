@@ -1031,10 +1031,7 @@ fn flood_of_distinct_keys() {
 /// the same 400 JSON (see below for why the header case carries no body).
 #[test]
 fn http1_and_http2_agree() {
-    if !h2::curl_has_http2() {
-        eprintln!("SKIPPED http1_and_http2_agree: no curl with HTTP2 on PATH");
-        return;
-    }
+    h2::require_curl_http2();
     let s = Scenario::start("http1_and_http2", json!({}));
     let h2 = |request: &Request| {
         let answer = h2::send_h2c(s.addr(), request, s.dir.path());
