@@ -9,6 +9,7 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -718,6 +719,81 @@ fn body_too_large_passthrough() {
     // Small bodies still work under the small limit.
     let small = chat(json!({ "routing_key": "small-key" }));
     assert_sticky(&stack, "small body", &small, 3);
+}
+
+// ---------------------------------------------------------------- request trailers
+
+/// A body followed by trailers (HTTP/1.1 chunked with a trailer section, let through by the
+/// listener's `enable_trailers`): the body callback never sees the end of the stream, so the
+/// filter decides when the trailers arrive, and the decision still follows the body. Explicit
+/// `routed_dp_rank`s land on their rank; a body `routing_key` is learned on its first turn and
+/// sticks. Envoy's own debug log shows it decoded every request's trailers, so the scenario
+/// cannot pass through Envoy dropping them (the body would then end the stream as usual).
+#[test]
+fn body_followed_by_trailers() {
+    let stack = Stack::start(
+        "body_followed_by_trailers",
+        StackOptions::new(plugin_config(json!({}))).http1_trailers(),
+    );
+    // The connection manager logs each request's decoded trailers at debug.
+    stack.envoy.set_log_level("http", "debug");
+    let mut tags = Vec::new();
+    let mut send = |request: &Request, splits: &[usize]| -> Response {
+        let tag = format!("trailer-{}", tags.len());
+        let pieces = request.chunked_pieces_with_trailers(splits, false, &[("x-checksum", &tag)]);
+        tags.push(tag);
+        // A fresh connection per request: both workers take part.
+        let response = Client::new(stack.addr()).send_pieces(&pieces, Duration::ZERO, "POST");
+        assert_body_passed_through(&response, request);
+        response
+    };
+
+    // Every rank twice, the body in one chunk and in two.
+    for (i, rank) in [2u32, 0, 3, 1, 1, 3, 0, 2].into_iter().enumerate() {
+        let request = chat(json!({ "routed_dp_rank": rank }));
+        let splits = if i % 2 == 0 {
+            vec![]
+        } else {
+            vec![request.body.len() / 2]
+        };
+        assert_eq!(
+            served_rank(&send(&request, &splits)),
+            rank,
+            "body rank {rank} followed by trailers"
+        );
+    }
+    let keyed_body = chat(json!({ "routing_key": "trailers-session" }));
+    let ranks: Vec<u32> = (0..4)
+        .map(|_| served_rank(&send(&keyed_body, &[])))
+        .collect();
+    assert!(
+        ranks.iter().all(|r| *r == ranks[0]),
+        "body key followed by trailers moved between ranks: {ranks:?}"
+    );
+
+    // Envoy flushes its log every 100 ms (`--file-flush-interval-msec`).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let unseen = loop {
+        let log = stack.envoy.log();
+        let unseen: Vec<&String> = tags
+            .iter()
+            .filter(|tag| !log.contains(&format!("'x-checksum', '{tag}'")))
+            .collect();
+        if unseen.is_empty() || Instant::now() >= deadline {
+            break unseen;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        unseen.is_empty(),
+        "Envoy did not decode these requests' trailers (dropped by its HTTP/1 codec?): {unseen:?}"
+    );
+    let counters = stack.settled();
+    counters.assert_eq("explicit", 8);
+    counters.assert_eq("affinity_miss", 1);
+    counters.assert_eq("learned", 1);
+    counters.assert_eq("affinity_hit", 3);
+    counters.assert_zero(&["no_key", "invalid_rank", "body_malformed"]);
 }
 
 // ---------------------------------------------------------------- 13. config

@@ -68,6 +68,9 @@ pub struct EnvoyConfig {
     /// Serve the listener through file-based LDS (`dynamic_resources.lds_config` on a path)
     /// instead of `static_resources`, so a test can replace it while Envoy runs.
     pub lds: bool,
+    /// The connection manager's `http_protocol_options.enable_trailers`: without it Envoy's
+    /// HTTP/1 codec drops the trailers of a chunked request, so filters never see them.
+    pub http1_trailers: bool,
 }
 
 /// The listener buffer limit of the shipped configs: lets Envoy buffer the
@@ -87,6 +90,7 @@ impl EnvoyConfig {
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
             lds: false,
+            http1_trailers: false,
         }
     }
 }
@@ -162,6 +166,9 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
     }
     if let Some(kb) = config.max_request_headers_kb {
         hcm["max_request_headers_kb"] = json!(kb);
+    }
+    if config.http1_trailers {
+        hcm["http_protocol_options"] = json!({ "enable_trailers": true });
     }
     json!({
         "name": "main",
@@ -486,6 +493,14 @@ impl Envoy {
 
     pub fn admin_get(&self, path: &str) -> Response {
         http::send(self.admin_addr(), &Request::get(path))
+    }
+
+    /// Sets one log component's level while Envoy runs (admin `POST /logging?<component>=<level>`),
+    /// e.g. `http` at `debug` to see what the connection manager decoded.
+    pub fn set_log_level(&self, component: &str, level: &str) {
+        let path = format!("/logging?{component}={level}");
+        let response = http::send(self.admin_addr(), &Request::post(&path));
+        assert_eq!(response.status, 200, "admin {path}: {}", response.text());
     }
 
     /// Integer stats whose names match the admin `filter` regex (plain `/stats`

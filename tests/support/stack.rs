@@ -33,6 +33,8 @@ pub struct StackOptions {
     pub buffer_limit_bytes: u32,
     /// The connection manager's `max_request_headers_kb` (`None`: Envoy's default).
     pub max_request_headers_kb: Option<u32>,
+    /// Let HTTP/1 requests carry trailers to the filter (`EnvoyConfig::http1_trailers`).
+    pub http1_trailers: bool,
 }
 
 impl StackOptions {
@@ -48,7 +50,14 @@ impl StackOptions {
             engine: false,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
+            http1_trailers: false,
         }
+    }
+
+    /// Lets HTTP/1 requests carry trailers to the filter.
+    pub fn http1_trailers(mut self) -> StackOptions {
+        self.http1_trailers = true;
+        self
     }
 
     /// Sets the listener's `per_connection_buffer_limit_bytes`.
@@ -148,6 +157,7 @@ impl Stack {
         config.access_log = Some(dir.join("access.log"));
         config.buffer_limit_bytes = options.buffer_limit_bytes;
         config.max_request_headers_kb = options.max_request_headers_kb;
+        config.http1_trailers = options.http1_trailers;
         if options.engine {
             config.topology = Topology::SingleEngine;
         }
