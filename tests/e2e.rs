@@ -9,6 +9,7 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -94,11 +95,9 @@ fn no_key() {
     let models = stack.send(&Request::get("/v1/models"));
     assert_eq!(models.status, 200, "GET /v1/models: {}", models.text());
     echoed_rank(&models);
-    stack.assert_counter("no_key", 21);
-    stack.assert_counter("affinity_hit", 0);
-    stack.assert_counter("affinity_miss", 0);
-    stack.assert_counter("learned", 0);
-    stack.assert_counter("explicit", 0);
+    let counters = stack.settled();
+    counters.assert_eq("no_key", 21);
+    counters.assert_zero(&["affinity_hit", "affinity_miss", "learned", "explicit"]);
 }
 
 // ---------------------------------------------------------------- 2./3. explicit rank
@@ -109,14 +108,15 @@ fn explicit_rank_header() {
     // The key rides along to prove the explicit rank does not pin it.
     let request = keyed("explicit-session").header(RANK_HEADER, "2");
     assert_eq!(ranks_for(&stack, &request, 10), vec![2; 10]);
-    stack.assert_counter("explicit", 10);
-    stack.assert_counter("learned", 0);
-    stack.assert_counter("affinity_miss", 0);
+    let counters = stack.settled();
+    counters.assert_eq("explicit", 10);
+    counters.assert_zero(&["learned", "affinity_miss"]);
 
     // Table untouched: the same key on its own is a miss, not a hit on rank 2.
     served_rank(&stack.send(&keyed("explicit-session")));
-    stack.assert_counter("affinity_miss", 1);
-    stack.assert_counter("affinity_hit", 0);
+    let counters = stack.settled();
+    counters.assert_eq("affinity_miss", 1);
+    counters.assert_zero(&["affinity_hit"]);
 }
 
 #[test]
@@ -132,8 +132,9 @@ fn explicit_rank_body() {
         vec![2; 3],
         "header must beat body"
     );
-    stack.assert_counter("explicit", 9);
-    stack.assert_counter("invalid_rank", 0);
+    let counters = stack.settled();
+    counters.assert_eq("explicit", 9);
+    counters.assert_zero(&["invalid_rank"]);
 }
 
 // ---------------------------------------------------------------- 4. invalid ranks
@@ -271,8 +272,9 @@ fn invalid_rank_cases() {
         })
         .collect();
     assert!(problems.is_empty(), "reject mode:\n{}", problems.join("\n"));
-    stack.assert_counter("invalid_rank", cases.len() as u64);
-    stack.assert_counter("explicit", 0);
+    let counters = stack.settled();
+    counters.assert_eq("invalid_rank", cases.len() as u64);
+    counters.assert_zero(&["explicit"]);
     drop(stack);
 
     // "ignore": the same inputs are treated as if no rank was given.
@@ -295,8 +297,9 @@ fn invalid_rank_cases() {
         })
         .collect();
     assert!(problems.is_empty(), "ignore mode:\n{}", problems.join("\n"));
-    stack.assert_counter("explicit", 0);
-    stack.assert_counter("no_key", cases.len() as u64);
+    let counters = stack.settled();
+    counters.assert_zero(&["explicit"]);
+    counters.assert_eq("no_key", cases.len() as u64);
 }
 
 #[test]
@@ -319,9 +322,9 @@ fn explicit_rank_disabled() {
         distinct(ranks.iter().copied()).len() >= 2,
         "disabled explicit rank still honoured: {ranks:?}"
     );
-    stack.assert_counter("explicit", 0);
-    stack.assert_counter("invalid_rank", 0);
-    stack.assert_counter("no_key", 16);
+    let counters = stack.settled();
+    counters.assert_zero(&["explicit", "invalid_rank"]);
+    counters.assert_eq("no_key", 16);
 }
 
 /// With a trust secret configured, only callers presenting it may choose a rank; everyone
@@ -363,9 +366,10 @@ fn explicit_rank_trusted_callers_only() {
         distinct(ranks.iter().copied()).len() >= 2,
         "an untrusted rank was honoured: {ranks:?}"
     );
-    stack.assert_counter("explicit", 5);
-    stack.assert_counter("invalid_rank", 0);
-    stack.assert_counter("untrusted_rank", 12);
+    let counters = stack.settled();
+    counters.assert_eq("explicit", 5);
+    counters.assert_zero(&["invalid_rank"]);
+    counters.assert_eq("untrusted_rank", 12);
 }
 
 // ---------------------------------------------------------------- 5./6. routing keys
@@ -391,10 +395,11 @@ fn key_header_sticky() {
         "keys not spread over the ranks: {pinned:?}"
     );
     // Exact: each key misses and is learned once, every later turn hits.
-    stack.assert_counter("affinity_miss", KEYS as u64);
-    stack.assert_counter("learned", KEYS as u64);
-    stack.assert_counter("affinity_hit", (KEYS * (TURNS - 1)) as u64);
-    stack.assert_counter("no_key", 0);
+    let counters = stack.settled();
+    counters.assert_eq("affinity_miss", KEYS as u64);
+    counters.assert_eq("learned", KEYS as u64);
+    counters.assert_eq("affinity_hit", (KEYS * (TURNS - 1)) as u64);
+    counters.assert_zero(&["no_key"]);
 }
 
 #[test]
@@ -414,10 +419,11 @@ fn key_body_fields() {
     let generate =
         Request::post("/generate").json(&json!({ "text": "hi", "routing_key": "sglang-session" }));
     assert_sticky(&stack, "/generate routing_key", &generate, 5);
-    stack.assert_counter("affinity_miss", 17);
-    stack.assert_counter("learned", 17);
-    stack.assert_counter("affinity_hit", 17 * 4);
-    stack.assert_counter("no_key", 0);
+    let counters = stack.settled();
+    counters.assert_eq("affinity_miss", 17);
+    counters.assert_eq("learned", 17);
+    counters.assert_eq("affinity_hit", 17 * 4);
+    counters.assert_zero(&["no_key"]);
 }
 
 /// Keys longer than routing_key.max_bytes (512) are still hashed whole: distinct
@@ -455,7 +461,7 @@ fn concurrent_first_turns_converge() {
     for key in &keys {
         assert_sticky(&stack, key, &keyed(key), 4);
     }
-    stack.assert_counter("cas_exhausted", 0);
+    stack.settled().assert_zero(&["cas_exhausted"]);
 }
 
 #[test]
@@ -687,14 +693,15 @@ fn body_passthrough() {
     assert_body_passed_through(&stack.send(&malformed), &malformed);
     stack.assert_counter("body_malformed", 1);
 
-    // A non-JSON content type is not parsed, even if it looks like JSON.
-    let no_key_before = stack.counter("no_key");
+    // A non-JSON content type is not parsed, even if it looks like JSON: keyless, and no new
+    // key. (Every request before was keyed or malformed, neither of which counts `no_key`.)
     let plain = raw("text/plain", r#"{"routing_key":"plain-key"}"#);
     for _ in 0..2 {
         assert_body_passed_through(&stack.send(&plain), &plain);
     }
-    stack.assert_counter("no_key", no_key_before + 2);
-    stack.assert_counter("affinity_miss", 2);
+    let counters = stack.settled();
+    counters.assert_eq("no_key", 2);
+    counters.assert_eq("affinity_miss", 2);
 }
 
 #[test]
@@ -712,6 +719,81 @@ fn body_too_large_passthrough() {
     // Small bodies still work under the small limit.
     let small = chat(json!({ "routing_key": "small-key" }));
     assert_sticky(&stack, "small body", &small, 3);
+}
+
+// ---------------------------------------------------------------- request trailers
+
+/// A body followed by trailers (HTTP/1.1 chunked with a trailer section, let through by the
+/// listener's `enable_trailers`): the body callback never sees the end of the stream, so the
+/// filter decides when the trailers arrive, and the decision still follows the body. Explicit
+/// `routed_dp_rank`s land on their rank; a body `routing_key` is learned on its first turn and
+/// sticks. Envoy's own debug log shows it decoded every request's trailers, so the scenario
+/// cannot pass through Envoy dropping them (the body would then end the stream as usual).
+#[test]
+fn body_followed_by_trailers() {
+    let stack = Stack::start(
+        "body_followed_by_trailers",
+        StackOptions::new(plugin_config(json!({}))).http1_trailers(),
+    );
+    // The connection manager logs each request's decoded trailers at debug.
+    stack.envoy.set_log_level("http", "debug");
+    let mut tags = Vec::new();
+    let mut send = |request: &Request, splits: &[usize]| -> Response {
+        let tag = format!("trailer-{}", tags.len());
+        let pieces = request.chunked_pieces_with_trailers(splits, false, &[("x-checksum", &tag)]);
+        tags.push(tag);
+        // A fresh connection per request: both workers take part.
+        let response = Client::new(stack.addr()).send_pieces(&pieces, Duration::ZERO, "POST");
+        assert_body_passed_through(&response, request);
+        response
+    };
+
+    // Every rank twice, the body in one chunk and in two.
+    for (i, rank) in [2u32, 0, 3, 1, 1, 3, 0, 2].into_iter().enumerate() {
+        let request = chat(json!({ "routed_dp_rank": rank }));
+        let splits = if i % 2 == 0 {
+            vec![]
+        } else {
+            vec![request.body.len() / 2]
+        };
+        assert_eq!(
+            served_rank(&send(&request, &splits)),
+            rank,
+            "body rank {rank} followed by trailers"
+        );
+    }
+    let keyed_body = chat(json!({ "routing_key": "trailers-session" }));
+    let ranks: Vec<u32> = (0..4)
+        .map(|_| served_rank(&send(&keyed_body, &[])))
+        .collect();
+    assert!(
+        ranks.iter().all(|r| *r == ranks[0]),
+        "body key followed by trailers moved between ranks: {ranks:?}"
+    );
+
+    // Envoy flushes its log every 100 ms (`--file-flush-interval-msec`).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let unseen = loop {
+        let log = stack.envoy.log();
+        let unseen: Vec<&String> = tags
+            .iter()
+            .filter(|tag| !log.contains(&format!("'x-checksum', '{tag}'")))
+            .collect();
+        if unseen.is_empty() || Instant::now() >= deadline {
+            break unseen;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        unseen.is_empty(),
+        "Envoy did not decode these requests' trailers (dropped by its HTTP/1 codec?): {unseen:?}"
+    );
+    let counters = stack.settled();
+    counters.assert_eq("explicit", 8);
+    counters.assert_eq("affinity_miss", 1);
+    counters.assert_eq("learned", 1);
+    counters.assert_eq("affinity_hit", 3);
+    counters.assert_zero(&["no_key", "invalid_rank", "body_malformed"]);
 }
 
 // ---------------------------------------------------------------- 13. config

@@ -1,6 +1,7 @@
-//! Self-tests of the e2e harness that do not need the filter: the HTTP client,
-//! the mock ranks, and the generated Envoy topology (run without the wasm filter).
-//! When an e2e scenario fails, these say whether the harness or the filter is at fault.
+//! Self-tests of the e2e harness: the HTTP client, the mock ranks, the generated
+//! Envoy topology (run without the wasm filter), and the reader of the filter's
+//! counters. When an e2e scenario fails, these say whether the harness or the
+//! filter is at fault.
 
 mod support;
 
@@ -11,10 +12,13 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use support::counters::PREFIX;
+use support::envoy::FILTER_VMS;
 use support::envoy::{self, EnvoyConfig};
 use support::fnv::fnv1a64_hex;
 use support::http::{self, read_response, Request};
 use support::mock::MockRank;
+use support::paths;
 use support::stack::{mock_info, served_rank, upstream_headers, Stack, StackOptions};
 use support::tempdir::TestDir;
 
@@ -165,5 +169,87 @@ fn envoy_validate_runner_reports_success_and_failure() {
         !outcome.success,
         "broken config validated:\n{}",
         outcome.output
+    );
+}
+
+/// The counter names in README's Metrics table (first column, every `name` in it).
+fn readme_counters() -> std::collections::BTreeSet<String> {
+    let readme =
+        std::fs::read_to_string(paths::repo_root().join("README.md")).expect("read README.md");
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("Metrics"))
+        .expect("README has a Metrics section");
+    section
+        .lines()
+        .filter_map(|line| line.strip_prefix("| `"))
+        .flat_map(|row| {
+            let cell = row.split(" |").next().unwrap_or("");
+            format!("`{cell}")
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The message of a caught panic.
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// The reader of the filter's counters: Envoy shows every counter README lists (and no other)
+/// under `wasmcustom.dp_affinity.` before any request; a name it does not show fails at once,
+/// naming the closest; a poll for 0 is refused; and a settled read has a request's count without
+/// polling, once every VM has flushed twice.
+#[test]
+fn filter_counters_are_strict_and_settle() {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    let stack = Stack::start(
+        "harness-counters",
+        StackOptions::new(json!({ "dp_size": 4 })),
+    );
+    let shown: std::collections::BTreeSet<String> = stack
+        .metrics()
+        .into_keys()
+        .filter_map(|name| name.strip_prefix(PREFIX).map(str::to_string))
+        .collect();
+    assert_eq!(
+        shown,
+        readme_counters(),
+        "the counters Envoy shows under {PREFIX} (left) and README's Metrics table (right)"
+    );
+
+    let message = stack
+        .envoy
+        .counters()
+        .try_get("afinity_hit")
+        .expect_err("a misspelt counter was read");
+    assert!(
+        message.contains("closest: affinity_hit"),
+        "the report does not name the closest counter: {message}"
+    );
+    let zero_poll = catch_unwind(AssertUnwindSafe(|| stack.assert_counter("no_key", 0)))
+        .expect_err("a poll for 0 was accepted");
+    assert!(
+        panic_message(zero_poll).contains("settled"),
+        "the refusal does not say what to use instead"
+    );
+
+    let flushes = stack.counter("stats_flushes");
+    served_rank(&stack.send(&chat(json!({}))));
+    let counters = stack.settled();
+    counters.assert_eq("no_key", 1);
+    let grown = counters.get("stats_flushes") - flushes;
+    assert!(
+        grown >= 2 * FILTER_VMS,
+        "settled after {grown} flushes, fewer than 2 per VM ({FILTER_VMS} VMs)"
     );
 }

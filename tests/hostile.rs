@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use support::fnv::fnv1a64_hex;
 use support::h2;
 use support::http::{self, Client, RawOutcome, Request, Response};
+use support::paths;
 use support::requests::{chat, keyed, plugin_config, KEY_HEADER, RANK_HEADER};
 use support::stack::{echoed_rank, mock_info, served_rank, Stack, StackOptions};
 
@@ -85,9 +86,39 @@ fn vm_failure_lines(log: &str) -> Vec<String> {
         .collect()
 }
 
+/// What shows that a VM failed since `baseline`: failure lines in Envoy's log, and Envoy's
+/// `wasm.*` stats of the VMs' lifecycle (a reload, a reload backoff, a failure, a VM lost or
+/// recreated). Empty when the VMs are healthy.
+fn vm_failure_signs(stack: &Stack, baseline: &BTreeMap<String, u64>) -> Vec<String> {
+    let mut signs: Vec<String> = vm_failure_lines(&stack.envoy.log())
+        .into_iter()
+        .map(|line| format!("log: {line}"))
+        .collect();
+    let now = wasm_stats(stack);
+    for (stat, value) in &now {
+        if (stat.contains("vm_reload") || stat.contains("fail")) && *value != 0 {
+            signs.push(format!("stat {stat} = {value}: the VM failed or reloaded"));
+        }
+    }
+    for stat in [
+        "wasm.envoy.wasm.runtime.v8.active",
+        "wasm.envoy.wasm.runtime.v8.created",
+        "wasm.wasm_vm_count",
+    ] {
+        assert!(now.contains_key(stat), "no stat {stat}: {now:#?}");
+        if now.get(stat) != baseline.get(stat) {
+            signs.push(format!(
+                "stat {stat} {:?} -> {:?}: a VM was lost or recreated",
+                baseline.get(stat),
+                now.get(stat)
+            ));
+        }
+    }
+    signs
+}
+
 fn assert_vm_healthy(stack: &Stack, name: &str, baseline: &BTreeMap<String, u64>) {
     let log = stack.envoy.log();
-    let failures = vm_failure_lines(&log);
     let warnings: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("[warning]") && l.contains("wasm"))
@@ -99,32 +130,12 @@ fn assert_vm_healthy(stack: &Stack, name: &str, baseline: &BTreeMap<String, u64>
             warnings[0].chars().take(300).collect::<String>()
         );
     }
+    let signs = vm_failure_signs(stack, baseline);
     assert!(
-        failures.is_empty(),
-        "[{name}] Envoy logged wasm failures:\n{}",
-        failures.join("\n")
+        signs.is_empty(),
+        "[{name}] the wasm VM failed:\n{}",
+        signs.join("\n")
     );
-    let now = wasm_stats(stack);
-    for (stat, value) in &now {
-        if stat.contains("vm_reload") || stat.contains("fail") {
-            assert_eq!(
-                *value, 0,
-                "[{name}] {stat} = {value}: the VM failed or reloaded"
-            );
-        }
-    }
-    for stat in [
-        "wasm.envoy.wasm.runtime.v8.active",
-        "wasm.envoy.wasm.runtime.v8.created",
-        "wasm.wasm_vm_count",
-    ] {
-        assert!(now.contains_key(stat), "[{name}] no stat {stat}: {now:#?}");
-        assert_eq!(
-            now.get(stat),
-            baseline.get(stat),
-            "[{name}] {stat} changed: a VM was lost or recreated (before {baseline:#?}, now {now:#?})"
-        );
-    }
     // The VM still routes: a fresh key, on fresh connections spread over both
     // workers, sticks to the rank it learned (a failed VM fails closed: 503).
     let key = format!("sanity-{name}");
@@ -140,10 +151,6 @@ fn assert_vm_healthy(stack: &Stack, name: &str, baseline: &BTreeMap<String, u64>
 // ---------------------------------------------------------------- helpers
 
 const CHAT: &str = "/v1/chat/completions";
-
-/// A little over the filter's counter flush period (1 s per worker): after
-/// this, a count for anything already answered is visible in `/stats`.
-const COUNTER_FLUSH: Duration = Duration::from_millis(1300);
 
 /// A raw body (not necessarily valid JSON) sent as `content_type`.
 fn raw(content_type: &str, body: impl Into<Vec<u8>>) -> Request {
@@ -193,10 +200,16 @@ fn assert_sticky(stack: &Stack, label: &str, request: &Request, turns: usize) ->
     ranks[0]
 }
 
-/// Envoy's connection-manager stat `http.ingress_http.<name>`.
+/// Envoy's connection-manager stat `http.ingress_http.<name>`. Envoy defines these
+/// with the connection manager and updates them at once (no flush to wait for), so
+/// a name it does not show is a mistake in the test.
 fn ingress_stat(stack: &Stack, name: &str) -> u64 {
     let full = format!("http.ingress_http.{name}");
-    stack.envoy.stats(name).get(&full).copied().unwrap_or(0)
+    let stats = stack.envoy.stats(name);
+    stats
+        .get(&full)
+        .copied()
+        .unwrap_or_else(|| panic!("Envoy shows no {full}; matching stats: {stats:#?}"))
 }
 
 /// Asserts `response` is the filter's 400 for an invalid explicit rank in `param`.
@@ -310,12 +323,10 @@ fn body_over_filter_limit_passes_through() {
         assert_body_reached(&response, &body, &format!("chunked, gap {gap:?}"));
         served_rank(&response);
     }
-    s.assert_counter("body_too_large", 4);
+    let counters = s.settled();
+    counters.assert_eq("body_too_large", 4);
     // Not read, so not pinned: no key decision was made at all.
-    s.assert_counter("affinity_miss", 0);
-    s.assert_counter("affinity_hit", 0);
-    s.assert_counter("learned", 0);
-    s.assert_counter("no_key", 0);
+    counters.assert_zero(&["affinity_miss", "affinity_hit", "learned", "no_key"]);
     // The same key in a small body is new to the table.
     let small = json_raw(r#"{"routing_key":"too-big-key","model":"m"}"#);
     assert_sticky(&s, "small body, same key", &small, 3);
@@ -397,17 +408,12 @@ fn body_over_envoy_buffer_limit_is_413() {
             "rank {rank} received an over-limit request: {stats}"
         );
     }
-    // Counters reach Envoy once a second per worker: wait past a flush so a
-    // count for those requests would show.
-    std::thread::sleep(COUNTER_FLUSH);
-    for counter in [
+    s.settled().assert_zero(&[
         "affinity_miss",
         "no_key",
         "body_too_large",
         "body_malformed",
-    ] {
-        s.assert_counter(counter, 0);
-    }
+    ]);
     let access_log = s.envoy.access_log();
     let refused: Vec<&str> = access_log.lines().filter(|l| l.contains(" 413 ")).collect();
     eprintln!("access log of the 413s:\n{}", refused.join("\n"));
@@ -485,11 +491,9 @@ fn malformed_json_falls_back() {
         assert_body_reached(&response, body, &format!("{label}, chunked"));
     }
     let malformed = (cases.len() + 4) as u64;
-    s.assert_counter("body_malformed", malformed);
-    s.assert_counter("affinity_miss", 0);
-    s.assert_counter("learned", 0);
-    s.assert_counter("invalid_rank", 0);
-    s.assert_counter("no_key", 0);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", malformed);
+    counters.assert_zero(&["affinity_miss", "learned", "invalid_rank", "no_key"]);
 
     // An empty body labelled JSON: with `content-length: 0` Envoy ends the stream
     // at the headers, so there is no body to read (counted `no_key`, not
@@ -501,8 +505,9 @@ fn malformed_json_falls_back() {
     s.assert_counter("no_key", 1);
     let response = client.send_pieces(&empty.chunked_pieces(&[], false), Duration::ZERO, "POST");
     assert_body_reached(&response, b"", "empty, chunked");
-    s.assert_counter("body_malformed", malformed + 1);
-    s.assert_counter("no_key", 1);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", malformed + 1);
+    counters.assert_eq("no_key", 1);
     s.assert_vm_healthy();
 }
 
@@ -549,8 +554,9 @@ fn deep_nesting() {
     short.extend_from_slice(br#","routing_key":"short"}"#);
     let response = s.send(&json_raw(short.clone()));
     assert_body_reached(&response, &short, "one bracket unclosed");
-    s.assert_counter("body_malformed", 2);
-    s.assert_counter("affinity_miss", 2);
+    let counters = s.settled();
+    counters.assert_eq("body_malformed", 2);
+    counters.assert_eq("affinity_miss", 2);
     s.assert_vm_healthy();
 }
 
@@ -585,8 +591,9 @@ fn field_value_types() {
         assert_body_reached(&response, body.as_bytes(), &format!("routing_key {value}"));
         served_rank(&response);
     }
-    s.assert_counter("no_key", not_keys.len() as u64);
-    s.assert_counter("affinity_miss", 0);
+    let counters = s.settled();
+    counters.assert_eq("no_key", not_keys.len() as u64);
+    counters.assert_zero(&["affinity_miss"]);
 
     // A non-string key field yields to the next configured field.
     let next = json_raw(r#"{"routing_key":1,"prompt_cache_key":{},"user":"the-user"}"#);
@@ -598,10 +605,11 @@ fn field_value_types() {
     assert_sticky(&s, "routing_key \"s\"", &string_key, 3);
     let long_key = json_raw(format!(r#"{{"model":"m","routing_key":{long}}}"#));
     assert_sticky(&s, "routing_key of 100 KiB", &long_key, 3);
-    s.assert_counter("affinity_miss", 3);
-    s.assert_counter("affinity_hit", 1 + 1 + 2 + 2);
-    s.assert_counter("key_too_long", 3);
-    s.assert_counter("no_key", not_keys.len() as u64);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 3);
+    counters.assert_eq("affinity_hit", 1 + 1 + 2 + 2);
+    counters.assert_eq("key_too_long", 3);
+    counters.assert_eq("no_key", not_keys.len() as u64);
 
     // Ranks: integers in range route (and do not touch the table).
     for (value, rank) in [("0", 0), ("1", 1), ("3", 3)] {
@@ -623,8 +631,9 @@ fn field_value_types() {
     );
     let null_only = json_raw(r#"{"model":"m","data_parallel_rank":null}"#);
     served_rank(&s.send(&null_only));
-    s.assert_counter("explicit", 6);
-    s.assert_counter("no_key", not_keys.len() as u64 + 1);
+    let counters = s.settled();
+    counters.assert_eq("explicit", 6);
+    counters.assert_eq("no_key", not_keys.len() as u64 + 1);
 
     let invalid = [
         "true",
@@ -660,8 +669,9 @@ fn field_value_types() {
             rejected += 1;
         }
     }
-    s.assert_counter("invalid_rank", rejected);
-    s.assert_counter("explicit", 6);
+    let counters = s.settled();
+    counters.assert_eq("invalid_rank", rejected);
+    counters.assert_eq("explicit", 6);
     s.assert_vm_healthy();
 }
 
@@ -734,8 +744,8 @@ fn header_bytes_and_sizes() {
         assert_eq!(response.status, 431, "64 KiB {header}: {status_line:?}");
         assert_eq!(response.text(), "Request Header Fields Too Large");
     }
-    // Envoy refused them before any filter ran: no counter moved (past a flush).
-    std::thread::sleep(COUNTER_FLUSH);
+    // Envoy refused them before any filter ran: no counter moved (once every VM flushed).
+    let counters = s.settled();
     let access_log = s.envoy.access_log();
     let refused: Vec<&str> = access_log.lines().filter(|l| l.contains(" 431 ")).collect();
     eprintln!("access log of the 431s:\n{}", refused.join("\n"));
@@ -743,9 +753,9 @@ fn header_bytes_and_sizes() {
     // callback; Envoy counts a protocol error per connection.
     assert!(refused.is_empty(), "{refused:?}");
     assert_eq!(ingress_stat(&s, "downstream_cx_protocol_error"), 2);
-    s.assert_counter("affinity_miss", 2);
-    s.assert_counter("invalid_rank", 2);
-    s.assert_counter("key_too_long", 3);
+    counters.assert_eq("affinity_miss", 2);
+    counters.assert_eq("invalid_rank", 2);
+    counters.assert_eq("key_too_long", 3);
     s.assert_vm_healthy();
 }
 
@@ -833,8 +843,9 @@ fn duplicate_and_conflicting_headers() {
         "x-smg-routing-key wins"
     );
     // Every one of those was a hit on an existing pin: no new key appeared.
-    s.assert_counter("affinity_hit", keys_learned + 4 + 1 + 1 + 1);
-    s.assert_counter("affinity_miss", keys_learned);
+    let counters = s.settled();
+    counters.assert_eq("affinity_hit", keys_learned + 4 + 1 + 1 + 1);
+    counters.assert_eq("affinity_miss", keys_learned);
     s.assert_vm_healthy();
 }
 
@@ -861,8 +872,9 @@ fn lying_content_type() {
         let response = s.send(&raw(content_type, json_body.clone()));
         assert_body_reached(&response, &json_body, content_type);
     }
-    s.assert_counter("no_key", 3);
-    s.assert_counter("affinity_miss", 0);
+    let counters = s.settled();
+    counters.assert_eq("no_key", 3);
+    counters.assert_zero(&["affinity_miss"]);
 
     for (i, content_type) in [
         "Application/JSON; charset=utf-8",
@@ -875,10 +887,11 @@ fn lying_content_type() {
         let body = format!(r#"{{"model":"m","routing_key":"content-type-{i}"}}"#);
         assert_sticky(&s, content_type, &raw(content_type, body), 2);
     }
-    s.assert_counter("affinity_miss", 3);
-    s.assert_counter("affinity_hit", 3);
-    s.assert_counter("no_key", 3);
-    s.assert_counter("body_malformed", 1);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 3);
+    counters.assert_eq("affinity_hit", 3);
+    counters.assert_eq("no_key", 3);
+    counters.assert_eq("body_malformed", 1);
     s.assert_vm_healthy();
 }
 
@@ -924,9 +937,10 @@ fn chunks_split_at_every_offset() {
     assert_eq!(served_rank(&response), rank, "one byte per chunk");
     requests += 1;
 
-    s.assert_counter("affinity_miss", 1);
-    s.assert_counter("affinity_hit", requests);
-    s.assert_counter("body_malformed", 0);
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", 1);
+    counters.assert_eq("affinity_hit", requests);
+    counters.assert_zero(&["body_malformed"]);
     s.assert_vm_healthy();
 }
 
@@ -983,18 +997,21 @@ fn flood_of_distinct_keys() {
         "flood: {KEYS} keys over {CONNECTIONS} connections in {elapsed:?} ({:.0} req/s)",
         KEYS as f64 / elapsed.as_secs_f64()
     );
-    s.assert_counter("affinity_miss", KEYS as u64);
-    s.assert_counter("affinity_hit", 0);
-    // Pins are written when the response arrives, after the miss was counted.
-    std::thread::sleep(COUNTER_FLUSH);
-    let exhausted = s.counter("cas_exhausted");
-    let retries = s.counter("cas_retries");
-    eprintln!("flood: cas_retries {retries}, cas_exhausted {exhausted}");
-    assert_eq!(exhausted, 0, "pins abandoned after CAS conflicts");
-    s.assert_counter("learned", KEYS as u64);
+    // Pins are written when the response arrives, after the miss was counted: both are in by
+    // the time every VM has flushed.
+    let counters = s.settled();
+    counters.assert_eq("affinity_miss", KEYS as u64);
+    counters.assert_zero(&["affinity_hit"]);
+    eprintln!(
+        "flood: cas_retries {}, cas_exhausted {}",
+        counters.get("cas_retries"),
+        counters.get("cas_exhausted")
+    );
+    counters.assert_zero(&["cas_exhausted"]);
+    counters.assert_eq("learned", KEYS as u64);
     // Each bucket received ~390 keys: all full, so every pin past the first
     // 1,024 evicted exactly one live entry.
-    s.assert_counter("evictions", KEYS as u64 - ENTRIES);
+    counters.assert_eq("evictions", KEYS as u64 - ENTRIES);
 
     // The keys each connection sent last are still resident, on their rank.
     let recent: Vec<(String, u32)> = recent.into_iter().flatten().collect();
@@ -1007,8 +1024,9 @@ fn flood_of_distinct_keys() {
         })
         .collect();
     assert!(moved.is_empty(), "recent keys lost their pin: {moved:?}");
-    s.assert_counter("affinity_hit", recent.len() as u64);
-    s.assert_counter("affinity_miss", KEYS as u64);
+    let counters = s.settled();
+    counters.assert_eq("affinity_hit", recent.len() as u64);
+    counters.assert_eq("affinity_miss", KEYS as u64);
     s.assert_vm_healthy();
 }
 
@@ -1020,10 +1038,7 @@ fn flood_of_distinct_keys() {
 /// the same 400 JSON (see below for why the header case carries no body).
 #[test]
 fn http1_and_http2_agree() {
-    if !h2::curl_has_http2() {
-        eprintln!("SKIPPED http1_and_http2_agree: no curl with HTTP2 on PATH");
-        return;
-    }
+    h2::require_curl_http2();
     let s = Scenario::start("http1_and_http2", json!({}));
     let h2 = |request: &Request| {
         let answer = h2::send_h2c(s.addr(), request, s.dir.path());
@@ -1109,67 +1124,71 @@ fn vm_failure_lines_are_recognised() {
 
 /// Proof that the health check sees a real VM failure: the test-only
 /// `fault-injection` build (`make wasm-fault`, `DP_AFFINITY_FAULT_WASM`) panics
-/// on a marked request. Observed on Envoy 1.40.0: that request gets 503 (fail
-/// closed), the worker's VM stays failed (its later requests get 503 too), and
-/// Envoy's `wasm.*` stats do not move (no reload, same VM counts): only the log
-/// lines and the failing requests show it, which is why the check reads both.
+/// on a marked request. Observed on Envoy 1.40.0 under the `FAIL_RELOAD` policy
+/// these tests run (as shipped): that request gets 503 (fail closed) and its
+/// worker's VM is failed; Envoy replaces it when the next request reaches that
+/// worker (`wasm.dp_affinity.vm_reload_success`), and that request is served.
+/// Only within the reload backoff after the VM's last load (0.2-0.3 s here:
+/// `reload_config.backoff.base_interval` 0.2 s plus up to half of it in jitter;
+/// `max_interval` plays no part) is the failed VM kept: such requests get 503 and
+/// count `vm_reload_backoff`. tests/failure.rs shows the pins survive the reload.
+/// The check sees both signs: the failure lines in the log and the reload in the
+/// stats.
 #[test]
 fn vm_health_check_sees_a_real_panic() {
-    use support::envoy::{Envoy, EnvoyConfig};
-    use support::mock::MockRank;
-    use support::paths;
-    use support::tempdir::TestDir;
-
-    let fault_wasm = std::env::var_os("DP_AFFINITY_FAULT_WASM")
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            paths::repo_root().join("target/fault/wasm32-wasip1/release/dp_affinity.wasm")
-        });
-    if !fault_wasm.is_file() {
-        eprintln!(
-            "SKIPPED vm_health_check_sees_a_real_panic: no fault-injection build at {} (make wasm-fault)",
-            fault_wasm.display()
-        );
-        return;
-    }
-    let dir = TestDir::new("vm_health_check_sees_a_real_panic");
-    let mocks: Vec<MockRank> = (0..4)
-        .map(|rank| MockRank::start(rank, &[], dir.path()))
-        .collect();
-    let config = EnvoyConfig::new(
-        mocks.iter().map(MockRank::port).collect(),
-        Some(fault_wasm),
-        plugin_config(json!({})),
+    const PANIC_HEADER: &str = "x-dp-affinity-test-panic";
+    const RELOADED: &str = "wasm.dp_affinity.vm_reload_success";
+    let s = Scenario::with_options(
+        "vm_health_check_sees_a_real_panic",
+        StackOptions::new(plugin_config(json!({}))).wasm(paths::fault_wasm_path()),
     );
-    let envoy = Envoy::start(&config, dir.path());
-    let before = envoy.stats("^wasm\\.");
-    assert!(
-        vm_failure_lines(&envoy.log()).is_empty(),
-        "failure before the fault"
-    );
-    let response = envoy.send(&keyed("doomed").header("x-dp-affinity-test-panic", "1"));
+    let signs = vm_failure_signs(&s, &s.wasm_baseline);
+    assert!(signs.is_empty(), "failure before the fault: {signs:#?}");
+    let response = s.send(&keyed("doomed").header(PANIC_HEADER, "1"));
     assert_eq!(response.status, 503, "fail closed: {:?}", response.text());
-    let statuses: Vec<u16> = (0..8).map(|_| envoy.send(&keyed("after")).status).collect();
-    eprintln!("after the panic, fresh connections got {statuses:?}");
-    std::thread::sleep(COUNTER_FLUSH);
-    let found = vm_failure_lines(&envoy.log());
-    eprintln!("failure lines:\n{}", found.join("\n"));
+
+    // Fresh connections reach both workers, so one soon lands on the failed VM's
+    // worker after the backoff and gets it reloaded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut statuses = Vec::new();
+    loop {
+        let stats = wasm_stats(&s);
+        let reloads = *stats
+            .get(RELOADED)
+            .unwrap_or_else(|| panic!("Envoy shows no {RELOADED}: {stats:#?}"));
+        if reloads > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the failed VM was not reloaded within 10 s; statuses {statuses:?}, stats {stats:#?}"
+        );
+        statuses.push(s.send(&keyed("after")).status);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("after the panic, fresh connections got {statuses:?} until the VM was reloaded");
     assert!(
-        found.iter().any(|l| l.contains("panicked at")),
-        "{found:#?}"
+        statuses.iter().all(|status| [200, 503].contains(status)),
+        "a failed VM fails closed (503), a live one serves: {statuses:?}"
     );
-    assert!(
-        found
-            .iter()
-            .any(|l| l.contains("Function: proxy_on_request_headers failed")),
-        "{found:#?}"
-    );
-    let after = envoy.stats("^wasm\\.");
-    let changed: Vec<String> = after
-        .iter()
-        .filter(|(k, v)| before.get(*k) != Some(*v))
-        .map(|(k, v)| format!("{k}: {:?} -> {v}", before.get(k)))
+    let signs = vm_failure_signs(&s, &s.wasm_baseline);
+    eprintln!("failure signs:\n{}", signs.join("\n"));
+    for wanted in [
+        "panicked at",
+        "Function: proxy_on_request_headers failed",
+        "vm_reload_success",
+    ] {
+        assert!(
+            signs.iter().any(|sign| sign.contains(wanted)),
+            "no sign with {wanted:?}: {signs:#?}"
+        );
+    }
+    // Reloaded, the VM routes again on both workers.
+    let ranks: Vec<u32> = (0..8)
+        .map(|_| served_rank(&s.send(&keyed("after"))))
         .collect();
-    eprintln!("wasm.* stats changed by the panic: {changed:?}");
+    assert!(
+        ranks.iter().all(|r| *r == ranks[0]),
+        "key moved between ranks after the reload: {ranks:?}"
+    );
 }

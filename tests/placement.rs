@@ -11,12 +11,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use support::counters;
 use support::envoy::Envoy;
 use support::http::{Client, Request, Response};
 use support::requests::{chat, keyed, merge, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER};
-use support::stack::{
-    assert_counter_of, counter_of, mock_info, served_rank, upstream_headers, Stack, StackOptions,
-};
+use support::stack::{mock_info, served_rank, upstream_headers, Stack, StackOptions};
 
 // ---------------------------------------------------------------- helpers
 
@@ -133,16 +132,16 @@ fn hash_replicas_agree() {
         );
         // A: 500 placements + 500 hits; B: 500 placements. Nothing learned from
         // responses, nothing moved.
-        assert_counter_of(&stack.envoy, "affinity_miss", keys);
-        assert_counter_of(&stack.envoy, "assigned", keys);
-        assert_counter_of(&stack.envoy, "affinity_hit", keys);
-        assert_counter_of(&b, "affinity_miss", keys);
-        assert_counter_of(&b, "assigned", keys);
-        assert_counter_of(&b, "affinity_hit", 0);
-        for envoy in [&stack.envoy, &b] {
-            for zero in ["moved", "learned", "no_usable_rank", "rank_cooldown"] {
-                assert_counter_of(envoy, zero, 0);
-            }
+        let settled = counters::settled(&[&stack.envoy, &b]);
+        let (a_counters, b_counters) = (&settled[0], &settled[1]);
+        a_counters.assert_eq("affinity_miss", keys);
+        a_counters.assert_eq("assigned", keys);
+        a_counters.assert_eq("affinity_hit", keys);
+        b_counters.assert_eq("affinity_miss", keys);
+        b_counters.assert_eq("assigned", keys);
+        b_counters.assert_zero(&["affinity_hit"]);
+        for replica in &settled {
+            replica.assert_zero(&["moved", "learned", "no_usable_rank", "rank_cooldown"]);
         }
     }
 
@@ -163,12 +162,14 @@ fn hash_replicas_agree() {
         run.third_sticky, KEYS,
         "envoy mode: replica A lost its own pins"
     );
-    assert_counter_of(&stack.envoy, "affinity_miss", keys);
-    assert_counter_of(&stack.envoy, "learned", keys);
-    assert_counter_of(&stack.envoy, "affinity_hit", keys);
-    assert_counter_of(&b, "affinity_miss", keys);
-    assert_counter_of(&b, "learned", keys);
-    assert_counter_of(&stack.envoy, "assigned", 0);
+    let settled = counters::settled(&[&stack.envoy, &b]);
+    let (a_counters, b_counters) = (&settled[0], &settled[1]);
+    a_counters.assert_eq("affinity_miss", keys);
+    a_counters.assert_eq("learned", keys);
+    a_counters.assert_eq("affinity_hit", keys);
+    b_counters.assert_eq("affinity_miss", keys);
+    b_counters.assert_eq("learned", keys);
+    a_counters.assert_zero(&["assigned"]);
 }
 
 // ---------------------------------------------------------------- 2. bounded load
@@ -321,7 +322,7 @@ fn bounded_load_with_slow_rank() {
     // Phase 3: multi-turn. Each connection cycles through its own 32 keys, and
     // connection j also through established key j. Repeat turns are pins, which
     // stay until their rank holds 2 × the mean: only the pinned bound holds.
-    let moved_before = stack.counter("moved");
+    let moved_before = stack.settled().get("moved");
     let answers = run_load(&stack, THREADS, PHASE, |t, n| {
         let own = KEYS_PER_THREAD + usize::from(t < ESTABLISHED);
         let i = n % own;
@@ -334,7 +335,8 @@ fn bounded_load_with_slow_rank() {
     settle();
     let (requests, max_inflight, max_first) = load_figures(&answers);
     let mock_max = mock_max_inflight(&stack);
-    let moved = stack.counter("moved") - moved_before;
+    let counters = stack.settled();
+    let moved = counters.get("moved") - moved_before;
     println!(
         "phase 3 (multi-turn, {} keys + {ESTABLISHED} established): {} requests in {PHASE:?}\n  \
          requests per rank {requests:?}\n  max inflight per rank {max_inflight:?} (mock's own max {mock_max:?}; \
@@ -355,9 +357,7 @@ fn bounded_load_with_slow_rank() {
         requests[SLOW as usize] * DP_SIZE as usize <= answers.len(),
         "the slow rank got more than its share: {requests:?}"
     );
-    stack.assert_counter("cas_exhausted", 0);
-    stack.assert_counter("no_usable_rank", 0);
-    stack.assert_counter("rank_cooldown", 0);
+    counters.assert_zero(&["cas_exhausted", "no_usable_rank", "rank_cooldown"]);
 
     // Phase 4: established keys on healthy ranks did not move.
     let mut kept = 0;
@@ -451,8 +451,7 @@ fn cooldown_skips_failed_rank() {
     );
     // The key that moved stays where it was re-placed.
     assert_eq!(served_rank(&stack.send(&keyed(&key))), moved_to);
-    stack.assert_counter("no_usable_rank", 0);
-    stack.assert_counter("moved", 0);
+    stack.settled().assert_zero(&["no_usable_rank", "moved"]);
 }
 
 // ---------------------------------------------------------------- 4. engine header
@@ -500,11 +499,12 @@ fn engine_header_target() {
         // (b) an explicit rank reaches the engine as the same header.
         let explicit = stack.send(&chat(json!({})).header(RANK_HEADER, "2"));
         assert_engine_told(&explicit, 2);
-        stack.assert_counter("affinity_miss", 32);
-        stack.assert_counter("assigned", 32);
-        stack.assert_counter("affinity_hit", 32 * 10);
-        stack.assert_counter("explicit", 1);
-        stack.assert_counter("moved", 0);
+        let counters = stack.settled();
+        counters.assert_eq("affinity_miss", 32);
+        counters.assert_eq("assigned", 32);
+        counters.assert_eq("affinity_hit", 32 * 10);
+        counters.assert_eq("explicit", 1);
+        counters.assert_zero(&["moved"]);
     }
 
     // (c, envoy mode) override off: the client's rank never reaches the engine;
@@ -530,8 +530,9 @@ fn engine_header_target() {
             ranks.iter().any(|r| *r != 3),
             "client rank honoured: {ranks:?}"
         );
-        stack.assert_counter("no_key", 8);
-        stack.assert_counter("explicit", 0);
+        let counters = stack.settled();
+        counters.assert_eq("no_key", 8);
+        counters.assert_zero(&["explicit"]);
 
         let mut first_turns = Vec::new();
         for i in 0..8 {
@@ -553,10 +554,11 @@ fn engine_header_target() {
             BTreeSet::from_iter(first_turns.iter().copied()).len() >= 3,
             "first turns not balanced by the engine: {first_turns:?}"
         );
-        stack.assert_counter("affinity_miss", 8);
-        stack.assert_counter("learned", 8);
-        stack.assert_counter("affinity_hit", 32);
-        stack.assert_counter("assigned", 0);
+        let counters = stack.settled();
+        counters.assert_eq("affinity_miss", 8);
+        counters.assert_eq("learned", 8);
+        counters.assert_eq("affinity_hit", 32);
+        counters.assert_zero(&["assigned"]);
     }
 
     // (c, hash mode) override off: the engine sees the filter's choice only.
@@ -580,8 +582,9 @@ fn engine_header_target() {
             ranks.iter().any(|r| *r != 3),
             "client rank honoured: {ranks:?}"
         );
-        stack.assert_counter("no_key", 8);
-        stack.assert_counter("explicit", 0);
+        let counters = stack.settled();
+        counters.assert_eq("no_key", 8);
+        counters.assert_zero(&["explicit"]);
     }
 }
 
@@ -623,17 +626,15 @@ fn bootstrap_room_two_replicas() {
         "bootstrap rooms 0..{ROOMS} through two replicas: per rank {:?}",
         per_rank_counts(served)
     );
-    for envoy in [&stack.envoy, &b] {
-        assert_counter_of(envoy, "bootstrap_room", ROOMS);
-        assert_counter_of(envoy, "affinity_miss", 0);
-        assert_counter_of(envoy, "affinity_hit", 0);
-        assert_counter_of(envoy, "no_key", 0);
-        assert_counter_of(envoy, "explicit", 0);
+    let settled = counters::settled(&[&stack.envoy, &b]);
+    for replica in &settled {
+        replica.assert_eq("bootstrap_room", ROOMS);
+        replica.assert_zero(&["affinity_miss", "affinity_hit", "no_key", "explicit"]);
     }
     println!(
-        "replica counters: A bootstrap_room={}, B bootstrap_room={}",
-        stack.counter("bootstrap_room"),
-        counter_of(&b, "bootstrap_room")
+        "replica counters: A {}; B {}",
+        settled[0].nonzero(),
+        settled[1].nonzero()
     );
 }
 
@@ -658,8 +659,9 @@ fn least_inflight_and_round_robin() {
             counts.iter().all(|n| (5..=15).contains(n)),
             "round robin uneven: {counts:?}"
         );
-        stack.assert_counter("no_key", 40);
-        stack.assert_counter("no_usable_rank", 0);
+        let counters = stack.settled();
+        counters.assert_eq("no_key", 40);
+        counters.assert_zero(&["no_usable_rank"]);
     }
 
     // Least in-flight with one slow rank under 16 concurrent connections.
@@ -707,9 +709,9 @@ fn least_inflight_and_round_robin() {
             );
         }
     }
-    stack.assert_counter("no_key", ranks.len() as u64);
-    stack.assert_counter("no_usable_rank", 0);
-    stack.assert_counter("cas_exhausted", 0);
+    let counters = stack.settled();
+    counters.assert_eq("no_key", ranks.len() as u64);
+    counters.assert_zero(&["no_usable_rank", "cas_exhausted"]);
 }
 
 // ---------------------------------------------------------------- quiet cluster
@@ -742,13 +744,14 @@ fn pin_kept_with_one_request_in_flight() {
         let next_turn = served_rank(&stack.send(&keyed(key)));
         (next_turn, long.join().expect("stream thread"))
     });
+    let counters = stack.settled();
     println!(
         "key pinned on {pinned}; with one streamed request in flight on rank {stream_rank:?} its next turn went to {moved_to}; moved={}",
-        stack.counter("moved")
+        counters.get("moved")
     );
     assert_eq!(
         moved_to, pinned,
         "one request in flight on an idle 4-rank cluster moved the pin"
     );
-    stack.assert_counter("moved", 0);
+    counters.assert_zero(&["moved"]);
 }

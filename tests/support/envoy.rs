@@ -26,6 +26,11 @@ pub const CLUSTER_HEADER: &str = "x-dp-affinity-cluster";
 pub const ALL_RANKS_CLUSTER: &str = "dp-all";
 /// The only cluster of the single-engine topology.
 pub const ENGINE_CLUSTER: &str = "engine";
+/// Envoy's worker threads (`--concurrency`).
+pub const CONCURRENCY: u32 = 2;
+/// The filter's VMs in one Envoy: one per worker, plus the one on the main thread (it too runs
+/// the tick that flushes counters).
+pub const FILTER_VMS: u64 = CONCURRENCY as u64 + 1;
 
 /// How the upstreams are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +71,9 @@ pub struct EnvoyConfig {
     /// Serve the listener through file-based LDS (`dynamic_resources.lds_config` on a path)
     /// instead of `static_resources`, so a test can replace it while Envoy runs.
     pub lds: bool,
+    /// The connection manager's `http_protocol_options.enable_trailers`: without it Envoy's
+    /// HTTP/1 codec drops the trailers of a chunked request, so filters never see them.
+    pub http1_trailers: bool,
 }
 
 /// The routes' `per_try_idle_timeout` in the shipped configs.
@@ -89,6 +97,7 @@ impl EnvoyConfig {
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
             lds: false,
+            http1_trailers: false,
         }
     }
 }
@@ -166,6 +175,9 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
     }
     if let Some(kb) = config.max_request_headers_kb {
         hcm["max_request_headers_kb"] = json!(kb);
+    }
+    if config.http1_trailers {
+        hcm["http_protocol_options"] = json!({ "enable_trailers": true });
     }
     json!({
         "name": "main",
@@ -402,7 +414,7 @@ impl Envoy {
         let child = Command::new(paths::envoy_bin())
             .arg("-c")
             .arg(&config_path)
-            .args(["--concurrency", "2"])
+            .args(["--concurrency", &CONCURRENCY.to_string()])
             .args(["--base-id", &base_id.to_string()])
             .args(["--log-level", "info"])
             .args(["--component-log-level", "wasm:debug"])
@@ -499,6 +511,14 @@ impl Envoy {
 
     pub fn admin_get(&self, path: &str) -> Response {
         http::send(self.admin_addr(), &Request::get(path))
+    }
+
+    /// Sets one log component's level while Envoy runs (admin `POST /logging?<component>=<level>`),
+    /// e.g. `http` at `debug` to see what the connection manager decoded.
+    pub fn set_log_level(&self, component: &str, level: &str) {
+        let path = format!("/logging?{component}={level}");
+        let response = http::send(self.admin_addr(), &Request::post(&path));
+        assert_eq!(response.status, 200, "admin {path}: {}", response.text());
     }
 
     /// Integer stats whose names match the admin `filter` regex (plain `/stats`

@@ -7,21 +7,24 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::http::{Request, Response};
 
-/// Whether `curl` is on PATH and built with HTTP/2 (`curl -V` lists `HTTP2`).
-pub fn curl_has_http2() -> bool {
-    Command::new("curl")
+/// Fails the calling test unless `curl` is on PATH and built with HTTP/2 (`curl -V` lists
+/// `HTTP2`): an HTTP/2 scenario must not pass by not running. `make test` installs such a curl
+/// (scripts/install-tools.sh).
+pub fn require_curl_http2() {
+    let output = Command::new("curl")
         .arg("-V")
         .stderr(Stdio::null())
         .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map(|out| {
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter(|l| l.starts_with("Features:"))
-                .any(|l| l.split_whitespace().any(|f| f == "HTTP2"))
-        })
-        .unwrap_or(false)
+        .unwrap_or_else(|e| panic!("curl not runnable ({e}): run scripts/install-tools.sh"));
+    let version = String::from_utf8_lossy(&output.stdout);
+    let http2 = version
+        .lines()
+        .filter(|l| l.starts_with("Features:"))
+        .any(|l| l.split_whitespace().any(|f| f == "HTTP2"));
+    assert!(
+        output.status.success() && http2,
+        "this curl has no HTTP/2 (run scripts/install-tools.sh, which installs one):\n{version}"
+    );
 }
 
 /// An answer received over HTTP/2, with the protocol curl reports having used.

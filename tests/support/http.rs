@@ -61,6 +61,16 @@ impl Request {
     /// each further chunk, and the terminating zero chunk with the last one, so a
     /// caller can flush (and pause) between pieces.
     pub fn chunked_pieces(&self, splits: &[usize], close: bool) -> Vec<Vec<u8>> {
+        self.chunked_pieces_with_trailers(splits, close, &[])
+    }
+
+    /// [`Request::chunked_pieces`] with `trailers` (name, value) after the last chunk.
+    pub fn chunked_pieces_with_trailers(
+        &self,
+        splits: &[usize],
+        close: bool,
+        trailers: &[(&str, &str)],
+    ) -> Vec<Vec<u8>> {
         let mut head = self.head(close, None);
         head.truncate(head.len() - 2); // reopen the header block
         head.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n");
@@ -87,10 +97,15 @@ impl Request {
             pieces.push(Vec::new());
         }
         pieces[0].splice(0..0, head);
+        let mut end = String::from("0\r\n");
+        for (name, value) in trailers {
+            end.push_str(&format!("{name}: {value}\r\n"));
+        }
+        end.push_str("\r\n");
         pieces
             .last_mut()
             .expect("one piece")
-            .extend_from_slice(b"0\r\n\r\n");
+            .extend_from_slice(end.as_bytes());
         pieces
     }
 

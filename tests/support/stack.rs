@@ -3,24 +3,15 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::counters::{self, Counters};
 use super::envoy::{Envoy, EnvoyConfig, Topology, DEFAULT_BUFFER_LIMIT_BYTES};
 use super::http::{Request, Response};
 use super::mock::MockRank;
 use super::paths;
 use super::tempdir::TestDir;
-
-/// The filter's metrics are `dp_affinity.<name>`; Envoy prints wasm custom metrics
-/// under its own prefix (observed on Envoy 1.40.0: `wasmcustom.dp_affinity.<name>`),
-/// so counters are looked up by suffix.
-pub const METRIC_PREFIX: &str = "dp_affinity.";
-
-/// Counters may be bumped in a callback that runs after the client already has
-/// the response (e.g. on stream completion); poll this long before failing.
-const COUNTER_SETTLE: Duration = Duration::from_secs(3);
 
 #[derive(Clone, Debug)]
 pub struct StackOptions {
@@ -44,6 +35,8 @@ pub struct StackOptions {
     pub buffer_limit_bytes: u32,
     /// The connection manager's `max_request_headers_kb` (`None`: Envoy's default).
     pub max_request_headers_kb: Option<u32>,
+    /// Let HTTP/1 requests carry trailers to the filter (`EnvoyConfig::http1_trailers`).
+    pub http1_trailers: bool,
 }
 
 impl StackOptions {
@@ -60,7 +53,14 @@ impl StackOptions {
             engine: false,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
+            http1_trailers: false,
         }
+    }
+
+    /// Lets HTTP/1 requests carry trailers to the filter.
+    pub fn http1_trailers(mut self) -> StackOptions {
+        self.http1_trailers = true;
+        self
     }
 
     /// Sets the listener's `per_connection_buffer_limit_bytes`.
@@ -168,6 +168,7 @@ impl Stack {
         config.access_log = Some(dir.join("access.log"));
         config.buffer_limit_bytes = options.buffer_limit_bytes;
         config.max_request_headers_kb = options.max_request_headers_kb;
+        config.http1_trailers = options.http1_trailers;
         if options.engine {
             config.topology = Topology::SingleEngine;
         }
@@ -208,18 +209,25 @@ impl Stack {
         self.envoy.stats("dp_affinity")
     }
 
-    /// The filter counter `name` (e.g. "affinity_hit"); 0 if not defined yet.
+    /// The filter counter `name` (e.g. "affinity_hit") as flushed so far: it may lag the
+    /// requests by a flush. Panics if Envoy does not show that counter.
     pub fn counter(&self, name: &str) -> u64 {
-        counter_of(&self.envoy, name)
+        counters::counter_of(&self.envoy, name)
     }
 
-    /// Asserts that counter `name` reaches exactly `expected` (allowing it to settle).
+    /// The filter's counters once every VM has flushed after this call (see
+    /// [`Envoy::settled_counters`]): what zeros and unchanged values are asserted on.
+    pub fn settled(&self) -> Counters {
+        self.envoy.settled_counters()
+    }
+
+    /// Polls until counter `name` is exactly `expected` (> 0; zeros go through [`Stack::settled`]).
     pub fn assert_counter(&self, name: &str, expected: u64) {
-        assert_counter_of(&self.envoy, name, expected);
+        counters::assert_counter_of(&self.envoy, name, expected);
     }
 
     pub fn assert_counter_at_least(&self, name: &str, minimum: u64) {
-        assert_counter_at_least_of(&self.envoy, name, minimum);
+        counters::assert_counter_at_least_of(&self.envoy, name, minimum);
     }
 
     pub fn mock(&mut self, rank: u32) -> &mut MockRank {
@@ -242,45 +250,6 @@ impl Drop for Stack {
             .collect();
         eprintln!("[{}] filter counters: {}", self.name, nonzero.join(" "));
     }
-}
-
-/// The filter counter `name` of any Envoy (a stack's own, or a replica).
-pub fn counter_of(envoy: &Envoy, name: &str) -> u64 {
-    find_metric(&envoy.stats("dp_affinity"), name).unwrap_or(0)
-}
-
-/// Asserts that `envoy`'s filter counter `name` reaches exactly `expected`.
-pub fn assert_counter_of(envoy: &Envoy, name: &str, expected: u64) {
-    wait_counter(envoy, name, &format!("== {expected}"), |v| v == expected);
-}
-
-pub fn assert_counter_at_least_of(envoy: &Envoy, name: &str, minimum: u64) {
-    wait_counter(envoy, name, &format!(">= {minimum}"), |v| v >= minimum);
-}
-
-fn wait_counter(envoy: &Envoy, name: &str, wanted: &str, ok: impl Fn(u64) -> bool) {
-    let deadline = Instant::now() + COUNTER_SETTLE;
-    loop {
-        let metrics = envoy.stats("dp_affinity");
-        let value = find_metric(&metrics, name);
-        if ok(value.unwrap_or(0)) {
-            return;
-        }
-        if Instant::now() >= deadline {
-            panic!(
-                "counter {METRIC_PREFIX}{name}: wanted {wanted}, got {value:?}; all filter metrics: {metrics:#?}"
-            );
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-fn find_metric(metrics: &BTreeMap<String, u64>, name: &str) -> Option<u64> {
-    let suffix = format!("{METRIC_PREFIX}{name}");
-    metrics
-        .iter()
-        .find(|(full, _)| full.as_str() == suffix || full.ends_with(&format!(".{suffix}")))
-        .map(|(_, v)| *v)
 }
 
 /// The rank that served a successful mock response. Checks that the echoed
