@@ -28,9 +28,8 @@ use support::tempdir::TestDir;
 
 /// Documented convergence bound (README, "Load state"): lease 5 s + the 1 s gauge tick + 1 s.
 const CONVERGE: Duration = Duration::from_secs(7);
-/// The filter VMs of a test Envoy: two workers and the main thread.
-const VMS: u64 = 3;
 
+/// A gauge (or counter) as Envoy shows it now; panics if Envoy does not show it.
 fn metric(envoy: &Envoy, name: &str) -> u64 {
     let stats = envoy.stats("dp_affinity");
     let suffix = format!("dp_affinity.{name}");
@@ -49,18 +48,6 @@ fn gauges(envoy: &Envoy, name: &str) -> Vec<u64> {
 
 fn inflight(envoy: &Envoy) -> Vec<u64> {
     gauges(envoy, "rank_inflight")
-}
-
-/// Waits until every VM has flushed its counters at least once after this call (each VM adds
-/// one to `stats_flushes` per flush), so a counter read afterwards holds what was counted
-/// before it.
-fn settle(envoy: &Envoy) {
-    let start = metric(envoy, "stats_flushes");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(envoy, "stats_flushes") < start + 2 * VMS {
-        assert!(Instant::now() < deadline, "counters were not flushed");
-        thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// Polls until every rank's in-flight gauge reads 0; returns how long that took from `since`.
@@ -145,11 +132,11 @@ fn client_chosen_failures_neither_cool_down_nor_move_conversations() {
         .map(|(k, _)| k)
         .collect();
     assert!(moved.is_empty(), "conversations moved: {moved:?}");
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "explicit"), 20);
-    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
-    assert_eq!(metric(&stack.envoy, "rank_errors"), 0);
-    assert_eq!(metric(&stack.envoy, "moved"), 0);
+    let counters = stack.settled();
+    assert_eq!(counters.get("explicit"), 20);
+    assert_eq!(counters.get("rank_cooldown"), 0);
+    assert_eq!(counters.get("rank_errors"), 0);
+    assert_eq!(counters.get("moved"), 0);
     assert_eq!(gauges(&stack.envoy, "rank_cooling_down"), [0, 0, 0, 0]);
     println!("abuse: 20 client-chosen 500s, 40 conversations, 0 moved, 0 cool-downs");
 }
@@ -192,10 +179,10 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
             "{k} moved after one error"
         );
     }
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "unpinned"), 1);
-    assert_eq!(metric(&stack.envoy, "rank_errors"), 1);
-    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
+    let counters = stack.settled();
+    assert_eq!(counters.get("unpinned"), 1);
+    assert_eq!(counters.get("rank_errors"), 1);
+    assert_eq!(counters.get("rank_cooldown"), 0);
     assert_eq!(
         gauges(&stack.envoy, "rank_cooling_down")[target as usize],
         0
@@ -207,8 +194,8 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
         let failed = stack.send(&keyed(k).header("x-mock-fail", "500"));
         assert_eq!(failed.status, 500);
     }
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 1);
+    let counters = stack.settled();
+    assert_eq!(counters.get("rank_cooldown"), 1);
     let cooling = gauges(&stack.envoy, "rank_cooling_down");
     assert_eq!(cooling[target as usize], 1, "{cooling:?}");
     for k in bystanders {
@@ -269,8 +256,8 @@ fn counts_converge_after_lost_races_on_two_workers() {
         done,
         "after 2,560 requests with cas_retries 0",
     );
-    settle(&stack.envoy);
-    let exhausted = metric(&stack.envoy, "cas_exhausted");
+    let counters = stack.settled();
+    let exhausted = counters.get("cas_exhausted");
     println!(
         "cas: 64 connections x 40 requests, a gauge sample {peak:?}, cas_exhausted {exhausted}, back to 0 in {took:?}"
     );
@@ -422,7 +409,10 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
     for &i in &hung {
         assert_eq!(firsts[i].status, 504, "{}", firsts[i].text());
     }
-    settle(&stack.envoy);
+    // Every worker has ticked (gauges are set on the tick) and flushed since the time-outs.
+    let counters = stack.settled();
+    assert!(counters.get("rank_errors") >= 3);
+    assert_eq!(counters.get("rank_cooldown"), 1);
     assert_eq!(gauges(&stack.envoy, "rank_cooling_down")[HUNG as usize], 1);
     // Every conversation's next turn is served, none by the hung rank.
     for i in 0..40 {
@@ -444,8 +434,8 @@ fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
     );
     let keys: Vec<String> = (0..4).map(|i| format!("g-{i}")).collect();
     let ranks = pin_keys(&stack, &keys);
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "unpinned"), 0);
+    let counters = stack.settled();
+    assert_eq!(counters.get("unpinned"), 0);
     // The client of g-0 gives up before the rank answers.
     let mut s = TcpStream::connect(stack.addr()).expect("connect");
     let req = keyed("g-0").encode(false);
@@ -453,10 +443,10 @@ fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
     thread::sleep(Duration::from_millis(200));
     drop(s);
     thread::sleep(Duration::from_millis(600));
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "unanswered"), 1);
-    assert_eq!(metric(&stack.envoy, "unpinned"), 1);
-    assert_eq!(metric(&stack.envoy, "rank_cooldown"), 0);
+    let counters = stack.settled();
+    assert_eq!(counters.get("unanswered"), 1);
+    assert_eq!(counters.get("unpinned"), 1);
+    assert_eq!(counters.get("rank_cooldown"), 0);
     // Everyone else keeps their rank.
     for (k, r) in keys.iter().zip(&ranks).skip(1) {
         assert_eq!(served_rank(&stack.send(&keyed(k))), *r, "{k} moved");
@@ -478,14 +468,14 @@ fn only_a_served_prompt_is_recorded_in_the_prefix_index() {
         let refused = stack.send(&request().header("x-mock-fail", status));
         assert_eq!(refused.status.to_string(), status);
     }
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "prefix_recorded"), 0);
+    let counters = stack.settled();
+    assert_eq!(counters.get("prefix_recorded"), 0);
     assert_eq!(stack.send(&request()).status, 200);
-    settle(&stack.envoy);
-    assert_eq!(metric(&stack.envoy, "prefix_recorded"), 1);
+    let counters = stack.settled();
+    assert_eq!(counters.get("prefix_recorded"), 1);
     // The next request with that prompt finds it.
     let rank = served_rank(&stack.send(&request()));
     assert_eq!(served_rank(&stack.send(&request())), rank);
-    settle(&stack.envoy);
-    assert!(metric(&stack.envoy, "prefix_hit") >= 2);
+    let counters = stack.settled();
+    assert!(counters.get("prefix_hit") >= 2);
 }
