@@ -198,7 +198,7 @@ pub fn rank_from_header(cfg: &Config, value: &[u8]) -> Result<u32, RankError> {
         Some(n) if n < u64::from(cfg.dp_size) => Ok(n as u32),
         _ => Err(RankError {
             field: cfg.explicit.header.clone(),
-            problem: format!("got {}", quote_for_message(v)),
+            problem: format!("got {}", excerpt(v, true)),
         }),
     }
 }
@@ -213,19 +213,46 @@ pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option
         Value::Null => Ok(None),
         Value::Number(raw) => match parse_u64(raw) {
             Some(n) if n < u64::from(cfg.dp_size) => Ok(Some(n as u32)),
-            _ => Err(bad(format!("got {}", String::from_utf8_lossy(raw)))),
+            _ => Err(bad(format!("got {}", excerpt(raw, false)))),
         },
-        Value::Str(s) => Err(bad(format!("got the string {}", quote_for_message(s)))),
-        other => Err(bad(format!("got a {}", other.type_name()))),
+        Value::Str(s) => Err(bad(format!("got the string {}", excerpt(s, true)))),
+        Value::Bool(b) => Err(bad(format!("got {b}"))),
+        // Containers are named by type only: their text is not kept by the scanner, and a
+        // nested value says nothing a client developer needs beyond "not an integer".
+        Value::Object => Err(bad("got an object".into())),
+        Value::Array => Err(bad("got an array".into())),
     }
 }
 
-/// A client-supplied value, quoted and cut short for an error message (never echo a megabyte).
-fn quote_for_message(v: &[u8]) -> String {
-    const MAX: usize = 64;
-    let shown = String::from_utf8_lossy(&v[..v.len().min(MAX)]).into_owned();
-    let ellipsis = if v.len() > MAX { "..." } else { "" };
-    format!("{shown:?}{ellipsis}")
+/// How many bytes of a client's value an error message quotes: enough to recognise the value,
+/// never an echo of the megabytes a client may send (the answer, and every copy made to build
+/// it, stays small whatever the request holds).
+pub const QUOTE_MAX_BYTES: usize = 32;
+
+/// The start of a client-supplied value for an error message: at most [`QUOTE_MAX_BYTES`] bytes,
+/// cut back to a character boundary, bytes that are not UTF-8 shown as U+FFFD. `quoted`: in
+/// double quotes with Rust's escapes (strings, header values), so control characters stay
+/// visible; otherwise as is (the text of a JSON number, ASCII by grammar). A longer value is
+/// marked `... (truncated, N bytes)` with its full length.
+fn excerpt(v: &[u8], quoted: bool) -> String {
+    let mut cut = v.len().min(QUOTE_MAX_BYTES);
+    // Back off over at most three UTF-8 continuation bytes, so a multi-byte character is not
+    // split into a replacement character (only when the value was really cut).
+    for _ in 0..3 {
+        if cut > 0 && v.get(cut).is_some_and(|&b| b & 0xC0 == 0x80) {
+            cut -= 1;
+        }
+    }
+    let shown = String::from_utf8_lossy(&v[..cut]);
+    let mut out = if quoted {
+        format!("{shown:?}")
+    } else {
+        shown.into_owned()
+    };
+    if cut < v.len() {
+        out.push_str(&format!("... (truncated, {} bytes)", v.len()));
+    }
+    out
 }
 
 /// What the body told us.
@@ -455,6 +482,50 @@ mod tests {
         let long = vec![b'9'; 1000];
         let e = rank_from_header(&c, &long).unwrap_err();
         assert!(e.problem.len() < 100, "message stays short: {}", e.problem);
+    }
+
+    #[test]
+    fn excerpts_are_bounded_and_marked() {
+        let a32 = "a".repeat(32);
+        let cases: [(Vec<u8>, bool, String); 9] = [
+            (b"7".to_vec(), false, "7".into()),
+            (b"two".to_vec(), true, r#""two""#.into()),
+            (a32.clone().into_bytes(), true, format!("{a32:?}")),
+            (
+                "a".repeat(33).into_bytes(),
+                true,
+                format!("{a32:?}... (truncated, 33 bytes)"),
+            ),
+            (
+                vec![b'9'; 4_000_000],
+                false,
+                format!("{}... (truncated, 4000000 bytes)", "9".repeat(32)),
+            ),
+            // A 2-byte character across the cut is left out whole, not split into U+FFFD.
+            (
+                format!("{}é", "a".repeat(31)).into_bytes(),
+                true,
+                format!("{:?}... (truncated, 33 bytes)", "a".repeat(31)),
+            ),
+            // Bytes that are not UTF-8 (a raw header value) show as U+FFFD.
+            (vec![0xff, b'1'], true, "\"\u{fffd}1\"".into()),
+            (b"a\"b\n".to_vec(), true, r#""a\"b\n""#.into()),
+            (Vec::new(), true, r#""""#.into()),
+        ];
+        for (value, quoted, want) in cases {
+            assert_eq!(
+                excerpt(&value, quoted),
+                want,
+                "{:?}",
+                &value[..value.len().min(40)]
+            );
+        }
+        // The worst case for size: every quoted byte escaped.
+        let worst = excerpt(&[0x7f; 1000], true);
+        assert!(worst.len() <= 6 * QUOTE_MAX_BYTES + 40, "{worst}");
+        let high = excerpt(&[0x80; 1000], true);
+        assert!(high.ends_with("(truncated, 1000 bytes)"), "{high}");
+        assert!(high.chars().filter(|&c| c == '\u{fffd}').count() <= QUOTE_MAX_BYTES);
     }
 
     fn body(c: &Config, json: &'static str) -> BodyFacts<'static> {
