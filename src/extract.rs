@@ -224,35 +224,60 @@ pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option
     }
 }
 
-/// How many bytes of a client's value an error message quotes: enough to recognise the value,
-/// never an echo of the megabytes a client may send (the answer, and every copy made to build
-/// it, stays small whatever the request holds).
+/// How many bytes of a client's value an error message quotes (after escaping): enough to
+/// recognise the value, never an echo of the megabytes a client may send (the answer, and every
+/// copy made to build it, stays small whatever the request holds).
 pub const QUOTE_MAX_BYTES: usize = 32;
 
-/// The start of a client-supplied value for an error message: at most [`QUOTE_MAX_BYTES`] bytes,
-/// cut back to a character boundary, bytes that are not UTF-8 shown as U+FFFD. `quoted`: in
+/// The start of a client-supplied value for an error message, at most [`QUOTE_MAX_BYTES`] bytes
+/// once escaped, whole characters only. Bytes that are not UTF-8 show as U+FFFD. `quoted`: in
 /// double quotes with Rust's escapes (strings, header values), so control characters stay
-/// visible; otherwise as is (the text of a JSON number, ASCII by grammar). A longer value is
-/// marked `... (truncated, N bytes)` with its full length.
+/// visible; otherwise as is (the text of a JSON number, ASCII by grammar). A value not shown
+/// whole is marked `... (truncated, N bytes)` with its full length.
 fn excerpt(v: &[u8], quoted: bool) -> String {
-    let mut cut = v.len().min(QUOTE_MAX_BYTES);
-    // Back off over at most three UTF-8 continuation bytes, so a multi-byte character is not
-    // split into a replacement character (only when the value was really cut).
-    for _ in 0..3 {
-        if cut > 0 && v.get(cut).is_some_and(|&b| b & 0xC0 == 0x80) {
-            cut -= 1;
+    // Every shown input byte costs at least one output byte (U+FFFD is 3 bytes for 1-3 invalid
+    // ones), so nothing past this window can be shown: the rest of the value is never touched.
+    let window = &v[..v.len().min(QUOTE_MAX_BYTES + 4)];
+    let mut shown = String::new();
+    let mut used = 0;
+    'chunks: for chunk in window.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if !push_bounded(&mut shown, c, quoted) {
+                break 'chunks;
+            }
+            used += c.len_utf8();
+        }
+        if !chunk.invalid().is_empty() {
+            if !push_bounded(&mut shown, char::REPLACEMENT_CHARACTER, quoted) {
+                break;
+            }
+            used += chunk.invalid().len();
         }
     }
-    let shown = String::from_utf8_lossy(&v[..cut]);
     let mut out = if quoted {
-        format!("{shown:?}")
+        format!("\"{shown}\"")
     } else {
-        shown.into_owned()
+        shown
     };
-    if cut < v.len() {
+    if used < v.len() {
         out.push_str(&format!("... (truncated, {} bytes)", v.len()));
     }
     out
+}
+
+/// Appends `c` (escaped when `quoted`) unless that would pass [`QUOTE_MAX_BYTES`].
+fn push_bounded(out: &mut String, c: char, quoted: bool) -> bool {
+    let before = out.len();
+    if quoted {
+        out.extend(c.escape_debug());
+    } else {
+        out.push(c);
+    }
+    if out.len() > QUOTE_MAX_BYTES {
+        out.truncate(before);
+        return false;
+    }
+    true
 }
 
 /// What the body told us.
@@ -520,12 +545,22 @@ mod tests {
                 &value[..value.len().min(40)]
             );
         }
-        // The worst case for size: every quoted byte escaped.
+        // Escapes and replacement characters count towards the bound, not the input bytes.
         let worst = excerpt(&[0x7f; 1000], true);
-        assert!(worst.len() <= 6 * QUOTE_MAX_BYTES + 40, "{worst}");
+        assert_eq!(
+            worst,
+            format!("\"{}\"... (truncated, 1000 bytes)", r"\u{7f}".repeat(5))
+        );
         let high = excerpt(&[0x80; 1000], true);
-        assert!(high.ends_with("(truncated, 1000 bytes)"), "{high}");
-        assert!(high.chars().filter(|&c| c == '\u{fffd}').count() <= QUOTE_MAX_BYTES);
+        assert_eq!(
+            high,
+            format!("\"{}\"... (truncated, 1000 bytes)", "\u{fffd}".repeat(10))
+        );
+        for value in [&b"\x01\x02"[..], "\u{200b}".as_bytes(), &[0xe9, 0x80]] {
+            let all = excerpt(&value.repeat(100), true);
+            let quote = all.split("... (truncated").next().unwrap_or_default();
+            assert!(quote.len() <= QUOTE_MAX_BYTES + 2, "{all}");
+        }
     }
 
     fn body(c: &Config, json: &'static str) -> BodyFacts<'static> {
