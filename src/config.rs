@@ -1000,7 +1000,10 @@ fn compile_prefix(raw: RawPrefix, affinity: &TableConfig) -> Result<PrefixConfig
 /// when its value is ignored as a rank (the client would pick the cluster); a key header that is
 /// also the explicit-rank, trust or cluster header is never read as a key; the trust header
 /// carries a secret and is stripped, so sharing it feeds the secret to another role or strips
-/// what that role needs; the engine header would overwrite a client's key with the rank.
+/// what that role needs; the engine header would overwrite a client's key with the rank. The
+/// `content-type` and `content-length` headers the filter reads to decide on the body are roles
+/// too: taken by another role, the body would never be read (or, stripped or overwritten, the
+/// upstream would get a wrong one).
 ///
 /// Allowed: several entries of `routing_key.headers` naming the same header (one role), and
 /// `target.engine_header` equal to `explicit_rank.header` (the default: the engine honours the
@@ -1015,7 +1018,18 @@ fn check_request_header_roles(
 ) -> Result<(), ConfigError> {
     const EXPLICIT: &str = "explicit_rank.header";
     const ENGINE: &str = "target.engine_header";
-    let mut roles: Vec<(String, &str)> = vec![(EXPLICIT.into(), explicit.header.as_str())];
+    // The filter reads these two itself (is the body JSON, is it over body.max_bytes).
+    let mut roles: Vec<(String, &str)> = vec![
+        (
+            "the content-type header (body.content_types)".into(),
+            "content-type",
+        ),
+        (
+            "the content-length header (body.max_bytes)".into(),
+            "content-length",
+        ),
+        (EXPLICIT.into(), explicit.header.as_str()),
+    ];
     if let Some(trust) = &explicit.trust {
         roles.push(("explicit_rank.trusted_header".into(), trust.header.as_str()));
     }
@@ -1383,6 +1397,18 @@ mod tests {
                     r#""explicit_rank":{{{trust}:"x-t"}},"target":{{"mode":"engine_header","engine_header":"x-t"}}"#
                 ),
                 "target.engine_header: \"x-t\" is also explicit_rank.trusted_header",
+            ),
+            (
+                r#""routing_key":{"headers":["Content-Type"]}"#,
+                "routing_key.headers[0]: \"content-type\" is also the content-type header (body.content_types)",
+            ),
+            (
+                r#""explicit_rank":{"header":"content-length"}"#,
+                "explicit_rank.header: \"content-length\" is also the content-length header (body.max_bytes)",
+            ),
+            (
+                r#""target":{"mode":"engine_header","engine_header":"content-length"}"#,
+                "target.engine_header: \"content-length\" is also the content-length header",
             ),
             // Checked whether or not the override is on: a disabled explicit-rank header is
             // still stripped, so it still hides the other role.

@@ -1301,7 +1301,7 @@ fn config_string() -> impl Strategy<Value = String> {
             "cluster", "engine_header", "reject", "ignore", "application/json", "json",
             "a/b;c", " Application/JSON ", "user", "routing_key", "routed_dp_rank",
             "data_parallel_rank", "ns", "a b", "1.2.3.4:80", "x-dp-rank", "X-Router-Token", "hunter2",
-            "x-data-parallel-rank", "X-DP-Affinity-Cluster", "x-smg-routing-key",
+            "x-data-parallel-rank", "X-DP-Affinity-Cluster", "x-smg-routing-key", "Content-Type",
         ])
         .prop_map(String::from),
         1 => json_string(),
@@ -1458,12 +1458,14 @@ fn check_config_result(bytes: &[u8]) {
 }
 
 /// An accepted configuration gives every request header one role: the key headers (one role,
-/// duplicates allowed), the explicit-rank, trust and cluster headers, and the engine header
-/// (which may equal the explicit-rank header, SGLang's default).
+/// duplicates allowed), the explicit-rank, trust and cluster headers, the engine header (which
+/// may equal the explicit-rank header, SGLang's default), and the content-type and
+/// content-length headers the filter reads itself.
 fn assert_request_header_roles_distinct(c: &Config) {
     let mut names: Vec<&str> = c.key.headers.iter().map(String::as_str).collect();
     names.sort_unstable();
     names.dedup();
+    names.extend(["content-type", "content-length"]);
     names.push(&c.explicit.header);
     names.extend(c.explicit.trust.as_ref().map(|t| t.header.as_str()));
     names.push(&c.cluster_header);
@@ -1512,6 +1514,7 @@ fn role_header() -> impl Strategy<Value = &'static str> {
         "x-b",
         "x-data-parallel-rank",
         "x-dp-affinity-cluster",
+        "content-type",
     ])
 }
 
@@ -1535,7 +1538,11 @@ proptest! {
             "routing_key": {"headers": keys},
             "target": {"cluster_header": cluster},
         });
-        let mut roles = vec![("explicit", explicit), ("cluster", cluster)];
+        let mut roles = vec![
+            ("content", "content-type"),
+            ("explicit", explicit),
+            ("cluster", cluster),
+        ];
         roles.extend(keys.iter().map(|k| ("key", *k)));
         if let Some(t) = trust {
             doc["explicit_rank"]["trusted_header"] = J::from(t);
@@ -1559,6 +1566,7 @@ proptest! {
             Err(e) => {
                 prop_assert!(shared, "{doc}: {e}");
                 let fields = [
+                    "the content-type header",
                     "explicit_rank.header",
                     "explicit_rank.trusted_header",
                     "routing_key.headers[",
