@@ -652,6 +652,9 @@ pub struct RoutingKeyConfig {
     pub body_fields: Vec<String>,
     pub max_bytes: usize,
     pub hasher: KeyedHasher,
+    /// `routing_key.hash_seed` was set. Empty, the hash is keyed with a constant anyone can read
+    /// in this source (see [`Config::warnings`]).
+    pub seeded: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -714,6 +717,23 @@ impl Config {
         let raw = read_raw(&v)?;
         compile(raw)
     }
+
+    /// What is valid but probably not what the operator wants, one log line each (the host logs
+    /// them at warning level when it accepts the configuration).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !self.key.seeded {
+            out.push(
+                "plugin configuration: routing_key.hash_seed is empty, so routing keys and prompt \
+                 prefixes are hashed with a publicly known key: anyone can compute which keys \
+                 share an affinity-table bucket (and flood it to evict other clients' pins) and, \
+                 with assign.mode \"hash\", which rank a key goes to. Set routing_key.hash_seed \
+                 to a secret string, the same on every Envoy replica."
+                    .to_string(),
+            );
+        }
+        out
+    }
 }
 
 fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
@@ -734,6 +754,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let assign = compile_assign(raw.assign)?;
     let body = compile_body(raw.body, &explicit, &key, &assign)?;
     let (target, cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
+    check_request_header_roles(&explicit, &key, &cluster_header, &target)?;
     let learn = compile_learn(raw.learn, dp_size)?;
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
@@ -799,6 +820,7 @@ fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
         body_fields: field_names("routing_key.body_fields", raw.body_fields)?,
         max_bytes: raw.max_bytes,
         hasher: KeyedHasher::from_seed(raw.hash_seed.as_bytes()),
+        seeded: !raw.hash_seed.is_empty(),
     })
 }
 
@@ -1000,6 +1022,75 @@ fn compile_prefix(raw: RawPrefix, affinity: &TableConfig) -> Result<PrefixConfig
         ));
     }
     Ok(PrefixConfig { table, ..raw.knobs })
+}
+
+/// Refuses a request header name given to two roles. The filter gives each request header one
+/// role (the first that matches in `HeaderFacts::collect`), so a shared name silently drops the
+/// other: an explicit-rank header that is also the cluster header leaves a client's copy in place
+/// when its value is ignored as a rank (the client would pick the cluster); a key header that is
+/// also the explicit-rank, trust or cluster header is never read as a key; the trust header
+/// carries a secret and is stripped, so sharing it feeds the secret to another role or strips
+/// what that role needs; the engine header would overwrite a client's key with the rank. The
+/// `content-type` and `content-length` headers the filter reads to decide on the body are roles
+/// too: taken by another role, the body would never be read (or, stripped or overwritten, the
+/// upstream would get a wrong one).
+///
+/// Allowed: several entries of `routing_key.headers` naming the same header (one role), and
+/// `target.engine_header` equal to `explicit_rank.header` (the default: the engine honours the
+/// same header a client may send, and the filter replaces the client's copy with the rank it
+/// chose or strips it). Response headers (`learn.response_header`, `echo_header`) live in the
+/// response's header map and cannot collide with these.
+fn check_request_header_roles(
+    explicit: &ExplicitRankConfig,
+    key: &RoutingKeyConfig,
+    cluster_header: &str,
+    target: &TargetMode,
+) -> Result<(), ConfigError> {
+    const EXPLICIT: &str = "explicit_rank.header";
+    const ENGINE: &str = "target.engine_header";
+    // The filter reads these two itself (is the body JSON, is it over body.max_bytes).
+    let mut roles: Vec<(String, &str)> = vec![
+        (
+            "the content-type header (body.content_types)".into(),
+            "content-type",
+        ),
+        (
+            "the content-length header (body.max_bytes)".into(),
+            "content-length",
+        ),
+        (EXPLICIT.into(), explicit.header.as_str()),
+    ];
+    if let Some(trust) = &explicit.trust {
+        roles.push(("explicit_rank.trusted_header".into(), trust.header.as_str()));
+    }
+    roles.extend(
+        key.headers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (format!("routing_key.headers[{i}]"), h.as_str())),
+    );
+    roles.push(("target.cluster_header".into(), cluster_header));
+    if let TargetMode::EngineHeader(h) = target {
+        roles.push((ENGINE.into(), h.as_str()));
+    }
+    for (j, (later, name)) in roles.iter().enumerate() {
+        for (earlier, other) in &roles[..j] {
+            let same_role = |f: &str| f.starts_with("routing_key.headers[");
+            let allowed = (same_role(earlier) && same_role(later))
+                || (earlier == EXPLICIT && later == ENGINE);
+            // Names are lower-cased by `header_name`, so equality is case-insensitive.
+            if name == other && !allowed {
+                return Err(err(
+                    later,
+                    format!(
+                        "{name:?} is also {earlier}; every request header the filter reads, \
+                         strips or sets needs its own name"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Lower-cases and checks a required header name (RFC 9110 token characters).
@@ -1288,6 +1379,119 @@ mod tests {
             c.body.wanted_fields,
             ["routing_key", "prompt_cache_key", "user"]
         );
+    }
+
+    #[test]
+    fn request_header_roles_must_not_share_a_name() {
+        // (config after dp_size, the error: the later field, the value and the earlier field)
+        let trust = r#""trusted_secret":"s","trusted_header""#;
+        let cases = [
+            (
+                r#""explicit_rank":{"header":"x-foo"},"target":{"cluster_header":"X-Foo"}"#,
+                r#"target.cluster_header: "x-foo" is also explicit_rank.header"#,
+            ),
+            (
+                r#""target":{"cluster_header":"x-data-parallel-rank"}"#,
+                r#"target.cluster_header: "x-data-parallel-rank" is also explicit_rank.header"#,
+            ),
+            (
+                r#""routing_key":{"headers":["x-data-parallel-rank"]}"#,
+                "routing_key.headers[0]: \"x-data-parallel-rank\" is also explicit_rank.header",
+            ),
+            (
+                r#""routing_key":{"headers":["x-a","x-dp-affinity-cluster"]}"#,
+                "target.cluster_header: \"x-dp-affinity-cluster\" is also routing_key.headers[1]",
+            ),
+            (
+                &format!(r#""explicit_rank":{{{trust}:"x-data-parallel-rank"}}"#),
+                "explicit_rank.trusted_header: \"x-data-parallel-rank\" is also explicit_rank.header",
+            ),
+            (
+                &format!(r#""explicit_rank":{{{trust}:" X-Routing-Key "}}"#),
+                "routing_key.headers[1]: \"x-routing-key\" is also explicit_rank.trusted_header",
+            ),
+            (
+                &format!(r#""explicit_rank":{{{trust}:"x-dp-affinity-cluster"}}"#),
+                "target.cluster_header: \"x-dp-affinity-cluster\" is also explicit_rank.trusted_header",
+            ),
+            (
+                r#""target":{"mode":"engine_header","engine_header":"x-smg-routing-key"}"#,
+                "target.engine_header: \"x-smg-routing-key\" is also routing_key.headers[0]",
+            ),
+            (
+                r#""target":{"mode":"engine_header","engine_header":"x-dp-affinity-cluster"}"#,
+                "target.engine_header: \"x-dp-affinity-cluster\" is also target.cluster_header",
+            ),
+            (
+                &format!(
+                    r#""explicit_rank":{{{trust}:"x-t"}},"target":{{"mode":"engine_header","engine_header":"x-t"}}"#
+                ),
+                "target.engine_header: \"x-t\" is also explicit_rank.trusted_header",
+            ),
+            (
+                r#""routing_key":{"headers":["Content-Type"]}"#,
+                "routing_key.headers[0]: \"content-type\" is also the content-type header (body.content_types)",
+            ),
+            (
+                r#""explicit_rank":{"header":"content-length"}"#,
+                "explicit_rank.header: \"content-length\" is also the content-length header (body.max_bytes)",
+            ),
+            (
+                r#""target":{"mode":"engine_header","engine_header":"content-length"}"#,
+                "target.engine_header: \"content-length\" is also the content-length header",
+            ),
+            // Checked whether or not the override is on: a disabled explicit-rank header is
+            // still stripped, so it still hides the other role.
+            (
+                r#""explicit_rank":{"enabled":false},"routing_key":{"headers":["x-data-parallel-rank"]}"#,
+                "routing_key.headers[0]",
+            ),
+        ];
+        for (section, needle) in cases {
+            let json = format!(r#"{{"dp_size":4,{section}}}"#);
+            let text = parse(&json).expect_err(&json).to_string();
+            assert!(
+                text.starts_with("invalid plugin configuration: ") && text.contains(needle),
+                "{json}: {text}"
+            );
+        }
+
+        let allowed = [
+            // The default engine mode: the engine honours the header clients send.
+            r#""target":{"mode":"engine_header"}"#,
+            r#""explicit_rank":{"header":"x-r"},"target":{"mode":"engine_header","engine_header":"X-R"}"#,
+            // The engine header is not used in cluster mode.
+            r#""target":{"engine_header":"x-smg-routing-key"}"#,
+            // One role, listed twice.
+            r#""routing_key":{"headers":["x-k","X-K"]}"#,
+            // Response headers do not share the request's header map.
+            r#""echo_header":"x-data-parallel-rank","learn":{"response_header":"x-routing-key"}"#,
+            r#""echo_header":"x-dp-affinity-cluster""#,
+        ];
+        for section in allowed {
+            let json = format!(r#"{{"dp_size":4,{section}}}"#);
+            if let Err(e) = parse(&json) {
+                panic!("{json}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_empty_hash_seed_is_warned_about() {
+        let warned = parse(r#"{"dp_size":4}"#).unwrap().warnings();
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        let w = &warned[0];
+        for needle in [
+            "routing_key.hash_seed is empty",
+            "publicly known key",
+            "which rank a key goes to",
+            "Set routing_key.hash_seed to a secret",
+        ] {
+            assert!(w.contains(needle), "{needle:?} not in {w}");
+        }
+        let seeded = parse(r#"{"dp_size":4,"routing_key":{"hash_seed":"s3cret"}}"#).unwrap();
+        assert_eq!(seeded.warnings(), Vec::<String>::new());
+        assert!(!format!("{:?}", seeded.warnings()).contains("s3cret"));
     }
 
     #[test]

@@ -319,7 +319,9 @@ fn least_loaded_holder(st: &RankStates, now: u32, rank: u32, holders: u16, dp_si
         .unwrap_or(rank)
 }
 
-/// Builds the 400 answer for an invalid explicit rank, in OpenAI's error shape.
+/// Builds the 400 answer for an invalid explicit rank, in OpenAI's error shape. Its size does not
+/// depend on the request: a `RankError` quotes at most `extract::QUOTE_MAX_BYTES` of the value
+/// (a few hundred bytes in all), so a megabyte rank field cannot be echoed or copied here.
 pub fn reject(cfg: &Config, e: &RankError) -> Rejection {
     let message = format!(
         "{} must be an integer in 0..={} (dp_size {}); {}",
@@ -406,6 +408,112 @@ mod tests {
         };
         let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
         assert_eq!(v["error"]["param"], "x-data-parallel-rank");
+    }
+
+    /// The 400's JSON, checked for what every rejection must be: valid JSON, small whatever the
+    /// client sent, naming `param`. Returns the message.
+    fn bounded_rejection(r: &Rejection, param: &str, label: &str) -> String {
+        assert_eq!(r.status, 400, "{label}");
+        assert!(
+            r.body.len() <= MAX_REJECTION_BYTES,
+            "{label}: {} bytes: {}",
+            r.body.len(),
+            r.body
+        );
+        let v: serde_json::Value = serde_json::from_str(&r.body)
+            .unwrap_or_else(|e| panic!("{label}: not JSON ({e}): {}", r.body));
+        assert_eq!(v["error"]["param"], param, "{label}");
+        assert_eq!(v["error"]["code"], "invalid_data_parallel_rank", "{label}");
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Whatever a client sends (the README's promise): 32 bytes of quote, escaped again as JSON,
+    /// the field name twice and the fixed text.
+    const MAX_REJECTION_BYTES: usize = 300;
+
+    #[test]
+    fn rejection_quotes_a_bounded_excerpt_of_any_body_value() {
+        let c = cfg("");
+        let big = 4_000_000;
+        let digits = "7".repeat(big);
+        let a = "A".repeat(big);
+        // (value, what the message says)
+        let cases: Vec<(String, String)> = vec![
+            (
+                digits.clone(),
+                format!("got {}... (truncated, {big} bytes)", &digits[..32]),
+            ),
+            (
+                format!("-{digits}.5e-{digits}"),
+                format!("(truncated, {} bytes)", 2 * big + 5),
+            ),
+            (
+                format!("\"{a}\""),
+                format!(
+                    r#"got the string "{}"... (truncated, {big} bytes)"#,
+                    &a[..32]
+                ),
+            ),
+            // Escapes: the message shows the unescaped value, re-escaped.
+            (
+                format!("\"{}\"", r"\n\u0000".repeat(big / 12)),
+                format!(r#"got the string "{}"... (truncated"#, r"\n\0".repeat(8)),
+            ),
+            (
+                format!("\"{}\"", "é".repeat(big / 2)),
+                format!("\"{}\"... (truncated, {big} bytes)", "é".repeat(16)),
+            ),
+            ("\"2\"".into(), r#"got the string "2""#.into()),
+            ("7".into(), "got 7".into()),
+            ("true".into(), "got true".into()),
+            (
+                format!("[{}1]", "1,".repeat(big / 2)),
+                "got an array".into(),
+            ),
+            (format!(r#"{{"rank":"{a}"}}"#), "got an object".into()),
+            (
+                format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)),
+                "got an array".into(),
+            ),
+        ];
+        for field in ["routed_dp_rank", "data_parallel_rank"] {
+            for (value, says) in &cases {
+                let label = format!("{field}: {}", value.chars().take(24).collect::<String>());
+                let body = format!(r#"{{"model":"m","{field}":{value}}}"#);
+                let Decision::Reject(r) = decide_body(&c, body.as_bytes(), None, true) else {
+                    panic!("{label}: expected a rejection");
+                };
+                let message = bounded_rejection(&r, field, &label);
+                assert!(message.contains(says), "{label}: {message}");
+                assert!(!message.contains(&"7".repeat(33)), "{label}: {message}");
+                assert!(!message.contains(&"A".repeat(33)), "{label}: {message}");
+            }
+        }
+    }
+
+    #[test]
+    fn rejection_quotes_a_bounded_excerpt_of_a_header() {
+        let c = cfg("");
+        let high: Vec<u8> = (0x80..=0xff).cycle().take(50_000).collect();
+        let cases: [(Vec<u8>, &str); 5] = [
+            (vec![b'9'; 50_000], "(truncated, 50000 bytes)"),
+            (vec![b'x'; 50_000], r#"got "xxxxxxxx"#),
+            (high, "\u{fffd}"),
+            (vec![0x7f; 50_000], r"\u{7f}"),
+            (b"two".to_vec(), r#"got "two""#),
+        ];
+        for (value, says) in cases {
+            let label = format!("{:?}", &value[..value.len().min(12)]);
+            let h = HeaderFacts::collect(&c, [(&b"x-data-parallel-rank"[..], &value[..])]);
+            let HeaderStep::Decided(Decision::Reject(r)) = decide_headers(&c, &h, true) else {
+                panic!("{label}: expected a rejection");
+            };
+            let message = bounded_rejection(&r, "x-data-parallel-rank", &label);
+            assert!(message.contains(says), "{label}: {message}");
+        }
     }
 
     #[test]

@@ -198,7 +198,7 @@ pub fn rank_from_header(cfg: &Config, value: &[u8]) -> Result<u32, RankError> {
         Some(n) if n < u64::from(cfg.dp_size) => Ok(n as u32),
         _ => Err(RankError {
             field: cfg.explicit.header.clone(),
-            problem: format!("got {}", quote_for_message(v)),
+            problem: format!("got {}", excerpt(v, true)),
         }),
     }
 }
@@ -213,19 +213,71 @@ pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option
         Value::Null => Ok(None),
         Value::Number(raw) => match parse_u64(raw) {
             Some(n) if n < u64::from(cfg.dp_size) => Ok(Some(n as u32)),
-            _ => Err(bad(format!("got {}", String::from_utf8_lossy(raw)))),
+            _ => Err(bad(format!("got {}", excerpt(raw, false)))),
         },
-        Value::Str(s) => Err(bad(format!("got the string {}", quote_for_message(s)))),
-        other => Err(bad(format!("got a {}", other.type_name()))),
+        Value::Str(s) => Err(bad(format!("got the string {}", excerpt(s, true)))),
+        Value::Bool(b) => Err(bad(format!("got {b}"))),
+        // Containers are named by type only: their text is not kept by the scanner, and a
+        // nested value says nothing a client developer needs beyond "not an integer".
+        Value::Object => Err(bad("got an object".into())),
+        Value::Array => Err(bad("got an array".into())),
     }
 }
 
-/// A client-supplied value, quoted and cut short for an error message (never echo a megabyte).
-fn quote_for_message(v: &[u8]) -> String {
-    const MAX: usize = 64;
-    let shown = String::from_utf8_lossy(&v[..v.len().min(MAX)]).into_owned();
-    let ellipsis = if v.len() > MAX { "..." } else { "" };
-    format!("{shown:?}{ellipsis}")
+/// How many bytes of a client's value an error message quotes (after escaping): enough to
+/// recognise the value, never an echo of the megabytes a client may send (the answer, and every
+/// copy made to build it, stays small whatever the request holds).
+pub const QUOTE_MAX_BYTES: usize = 32;
+
+/// The start of a client-supplied value for an error message, at most [`QUOTE_MAX_BYTES`] bytes
+/// once escaped, whole characters only. Bytes that are not UTF-8 show as U+FFFD. `quoted`: in
+/// double quotes with Rust's escapes (strings, header values), so control characters stay
+/// visible; otherwise as is (the text of a JSON number, ASCII by grammar). A value not shown
+/// whole is marked `... (truncated, N bytes)` with its full length.
+fn excerpt(v: &[u8], quoted: bool) -> String {
+    // Every shown input byte costs at least one output byte (U+FFFD is 3 bytes for 1-3 invalid
+    // ones), so nothing past this window can be shown: the rest of the value is never touched.
+    let window = &v[..v.len().min(QUOTE_MAX_BYTES + 4)];
+    let mut shown = String::new();
+    let mut used = 0;
+    'chunks: for chunk in window.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if !push_bounded(&mut shown, c, quoted) {
+                break 'chunks;
+            }
+            used += c.len_utf8();
+        }
+        if !chunk.invalid().is_empty() {
+            if !push_bounded(&mut shown, char::REPLACEMENT_CHARACTER, quoted) {
+                break;
+            }
+            used += chunk.invalid().len();
+        }
+    }
+    let mut out = if quoted {
+        format!("\"{shown}\"")
+    } else {
+        shown
+    };
+    if used < v.len() {
+        out.push_str(&format!("... (truncated, {} bytes)", v.len()));
+    }
+    out
+}
+
+/// Appends `c` (escaped when `quoted`) unless that would pass [`QUOTE_MAX_BYTES`].
+fn push_bounded(out: &mut String, c: char, quoted: bool) -> bool {
+    let before = out.len();
+    if quoted {
+        out.extend(c.escape_debug());
+    } else {
+        out.push(c);
+    }
+    if out.len() > QUOTE_MAX_BYTES {
+        out.truncate(before);
+        return false;
+    }
+    true
 }
 
 /// What the body told us.
@@ -455,6 +507,60 @@ mod tests {
         let long = vec![b'9'; 1000];
         let e = rank_from_header(&c, &long).unwrap_err();
         assert!(e.problem.len() < 100, "message stays short: {}", e.problem);
+    }
+
+    #[test]
+    fn excerpts_are_bounded_and_marked() {
+        let a32 = "a".repeat(32);
+        let cases: [(Vec<u8>, bool, String); 9] = [
+            (b"7".to_vec(), false, "7".into()),
+            (b"two".to_vec(), true, r#""two""#.into()),
+            (a32.clone().into_bytes(), true, format!("{a32:?}")),
+            (
+                "a".repeat(33).into_bytes(),
+                true,
+                format!("{a32:?}... (truncated, 33 bytes)"),
+            ),
+            (
+                vec![b'9'; 4_000_000],
+                false,
+                format!("{}... (truncated, 4000000 bytes)", "9".repeat(32)),
+            ),
+            // A 2-byte character across the cut is left out whole, not split into U+FFFD.
+            (
+                format!("{}é", "a".repeat(31)).into_bytes(),
+                true,
+                format!("{:?}... (truncated, 33 bytes)", "a".repeat(31)),
+            ),
+            // Bytes that are not UTF-8 (a raw header value) show as U+FFFD.
+            (vec![0xff, b'1'], true, "\"\u{fffd}1\"".into()),
+            (b"a\"b\n".to_vec(), true, r#""a\"b\n""#.into()),
+            (Vec::new(), true, r#""""#.into()),
+        ];
+        for (value, quoted, want) in cases {
+            assert_eq!(
+                excerpt(&value, quoted),
+                want,
+                "{:?}",
+                &value[..value.len().min(40)]
+            );
+        }
+        // Escapes and replacement characters count towards the bound, not the input bytes.
+        let worst = excerpt(&[0x7f; 1000], true);
+        assert_eq!(
+            worst,
+            format!("\"{}\"... (truncated, 1000 bytes)", r"\u{7f}".repeat(5))
+        );
+        let high = excerpt(&[0x80; 1000], true);
+        assert_eq!(
+            high,
+            format!("\"{}\"... (truncated, 1000 bytes)", "\u{fffd}".repeat(10))
+        );
+        for value in [&b"\x01\x02"[..], "\u{200b}".as_bytes(), &[0xe9, 0x80]] {
+            let all = excerpt(&value.repeat(100), true);
+            let quote = all.split("... (truncated").next().unwrap_or_default();
+            assert!(quote.len() <= QUOTE_MAX_BYTES + 2, "{all}");
+        }
     }
 
     fn body(c: &Config, json: &'static str) -> BodyFacts<'static> {

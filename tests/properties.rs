@@ -23,7 +23,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use serde_json::Value as J;
 
-use dp_affinity::config::{Config, TableConfig};
+use dp_affinity::config::{Config, TableConfig, TargetMode};
 use dp_affinity::decide::decide_body_with_prefix;
 use dp_affinity::extract::scan_body;
 use dp_affinity::json_scan::{scan_top_level, Value};
@@ -1303,6 +1303,7 @@ fn config_string() -> impl Strategy<Value = String> {
             "cluster", "engine_header", "reject", "ignore", "application/json", "json",
             "a/b;c", " Application/JSON ", "user", "routing_key", "routed_dp_rank",
             "data_parallel_rank", "ns", "a b", "1.2.3.4:80", "x-dp-rank", "X-Router-Token", "hunter2",
+            "x-data-parallel-rank", "X-DP-Affinity-Cluster", "x-smg-routing-key", "Content-Type",
         ])
         .prop_map(String::from),
         1 => json_string(),
@@ -1436,6 +1437,7 @@ fn check_config_result(bytes: &[u8]) {
             assert!((1..=4096).contains(&p.sticky_blocks) && p.shared_slack <= 65536);
             assert!((1..=8).contains(&p.grid_bits) && (1..=64).contains(&p.table.ways));
             assert_ne!(p.table.namespace, c.table.namespace);
+            assert_request_header_roles_distinct(&c);
             // A config that parses also drives the request path without panicking.
             let _ = scan_body(
                 &c,
@@ -1457,6 +1459,33 @@ fn check_config_result(bytes: &[u8]) {
     }
 }
 
+/// An accepted configuration gives every request header one role: the key headers (one role,
+/// duplicates allowed), the explicit-rank, trust and cluster headers, the engine header (which
+/// may equal the explicit-rank header, SGLang's default), and the content-type and
+/// content-length headers the filter reads itself.
+fn assert_request_header_roles_distinct(c: &Config) {
+    let mut names: Vec<&str> = c.key.headers.iter().map(String::as_str).collect();
+    names.sort_unstable();
+    names.dedup();
+    names.extend(["content-type", "content-length"]);
+    names.push(&c.explicit.header);
+    names.extend(c.explicit.trust.as_ref().map(|t| t.header.as_str()));
+    names.push(&c.cluster_header);
+    if let TargetMode::EngineHeader(h) = &c.target {
+        if *h != c.explicit.header {
+            names.push(h);
+        }
+    }
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(
+        sorted.len(),
+        names.len(),
+        "two roles share a header: {names:?}"
+    );
+}
+
 proptest! {
     #![proptest_config(cases(512))]
 
@@ -1476,6 +1505,80 @@ proptest! {
     ) {
         check_config_result(&junk);
         check_config_result(&mutate(serde_json::to_vec(&doc).expect("serialise"), &edits));
+    }
+}
+
+/// A header name for one role: few names, in mixed case, so roles often collide.
+fn role_header() -> impl Strategy<Value = &'static str> {
+    select(vec![
+        "x-a",
+        "X-A",
+        "x-b",
+        "x-data-parallel-rank",
+        "x-dp-affinity-cluster",
+        "content-type",
+    ])
+}
+
+proptest! {
+    #![proptest_config(cases(256))]
+
+    /// A configuration is refused exactly when two request-header roles share a name (compared
+    /// case-insensitively; the key headers are one role; the engine header may be the
+    /// explicit-rank header), and the error names both fields.
+    #[test]
+    fn shared_header_names_are_refused(
+        explicit in role_header(),
+        keys in vec(role_header(), 0..3),
+        cluster in role_header(),
+        trust in proptest::option::of(role_header()),
+        engine in proptest::option::of(role_header()),
+    ) {
+        let mut doc = serde_json::json!({
+            "dp_size": 4,
+            "explicit_rank": {"header": explicit},
+            "routing_key": {"headers": keys},
+            "target": {"cluster_header": cluster},
+        });
+        let mut roles = vec![
+            ("content", "content-type"),
+            ("explicit", explicit),
+            ("cluster", cluster),
+        ];
+        roles.extend(keys.iter().map(|k| ("key", *k)));
+        if let Some(t) = trust {
+            doc["explicit_rank"]["trusted_header"] = J::from(t);
+            doc["explicit_rank"]["trusted_secret"] = J::from("s");
+            roles.push(("trust", t));
+        }
+        if let Some(e) = engine {
+            doc["target"]["mode"] = J::from("engine_header");
+            doc["target"]["engine_header"] = J::from(e);
+            roles.push(("engine", e));
+        }
+        let shared = roles.iter().enumerate().any(|(i, (role, name))| {
+            roles[..i].iter().any(|(other, other_name)| {
+                let exempt = (*role == "key" && *other == "key")
+                    || matches!((*role, *other), ("engine", "explicit") | ("explicit", "engine"));
+                name.eq_ignore_ascii_case(other_name) && !exempt
+            })
+        });
+        match Config::from_json(doc.to_string().as_bytes()) {
+            Ok(_) => prop_assert!(!shared, "accepted {doc}"),
+            Err(e) => {
+                prop_assert!(shared, "{doc}: {e}");
+                let fields = [
+                    "the content-type header",
+                    "explicit_rank.header",
+                    "explicit_rank.trusted_header",
+                    "routing_key.headers[",
+                    "target.cluster_header",
+                    "target.engine_header",
+                ];
+                let named = fields.iter().filter(|f| e.to_string().contains(*f)).count();
+                prop_assert!(named == 2, "{doc}: {e}");
+            }
+        }
     }
 }
 

@@ -321,6 +321,9 @@ impl RootContext for Root {
                 return false;
             }
         };
+        for warning in cfg.warnings() {
+            warn!("{warning}");
+        }
         let table = AffinityTable::new(cfg.table.clone());
         let created = table.ensure_buckets(&SharedData);
         // Created up front like the affinity table's, so every later write is a real
