@@ -61,6 +61,9 @@ POLICIES = {
     "filter-prefix": policy(
         "dp_affinity, NO routing key: prompt-prefix index + bounded load (c = 1.25, floor 4)",
         BOUNDED, keys="none", prefix={"enabled": True}),
+    "filter-prefix-keyed": policy(
+        "dp_affinity with session keys AND the prompt-prefix index (bounded hash)",
+        BOUNDED, keys="header", prefix={"enabled": True}),
     "envoy-rr": policy("Envoy ROUND_ROBIN over all ranks"),
     "envoy-lr": policy("Envoy LEAST_REQUEST over all ranks"),
     "envoy-hash": policy("Envoy weighted_clusters + use_hash_policy on the key header"),
@@ -73,6 +76,9 @@ if os.environ.get("BENCH_PREFIX_SET"):
 KEYED_ALL = ["filter-learn", "filter-hash", "filter-hash-bounded", "envoy-rr", "envoy-lr", "envoy-hash"]
 PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr"]
 PREFIX_SHORT = ["filter-prefix", "envoy-rr"]
+# The KV-cache-trace suite: keyless and keyed placements, and Envoy's own policies.
+KV_ALL = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-hash", "envoy-lr", "envoy-rr"]
+KV_REPLICAS = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded"]
 
 # The mock ranks' engine model, the same for every run: 16-token blocks; prefill 50 us per uncached
 # prompt token, decode 3 ms per output token; 4 requests served at once per rank (more queue); a
@@ -138,6 +144,45 @@ def block_trace(path, ranks, seed=11):
             f.write(json.dumps(line) + "\n")
 
 
+def kv_trace(path, ranks, seed=23):
+    """A block-id trace in the shape of public multi-turn KV-cache traces, harder on placement
+    than `block_trace`: ONE system prompt of 32 blocks (2 KiB of text) opens every request, so
+    a prefix match on it says nothing about where a conversation belongs; most sessions are one
+    or two turns whose first prompt is long (150-700 blocks, 10-45 KiB); a few conversations go
+    on for 6-20 turns; 15 % of sessions open with one of 8 shared documents (40-160 blocks). The
+    arrival rate scales with the rank count."""
+    rng = random.Random(seed)
+    next_id = [1]
+
+    def fresh(n):
+        ids = list(range(next_id[0], next_id[0] + n))
+        next_id[0] += n
+        return ids
+
+    system = fresh(32)
+    docs = [fresh(rng.randint(40, 160)) for _ in range(8)]
+    lines, start = [], 0.0
+    for s in range(48 * ranks):
+        start += rng.expovariate(1.5 * ranks) * 1000.0
+        prompt = list(system)
+        if rng.random() < 0.15:
+            prompt += rng.choice(docs)
+        prompt += fresh(rng.randint(150, 700))
+        u = rng.random()
+        turns = 1 if u < 0.55 else 2 if u < 0.85 else 3 if u < 0.94 else rng.randint(6, 20)
+        t = start
+        for _ in range(turns):
+            lines.append({"timestamp": round(t, 1), "hash_ids": list(prompt), "output_length": 32,
+                          "key": f"kv-s{s}"})
+            prompt += fresh(4)  # the answer, resent in the next turn
+            prompt += fresh(rng.randint(8, 40))
+            t += 800.0 + rng.expovariate(1 / 600.0)
+    lines.sort(key=lambda r: r["timestamp"])
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
 def configurations(suite, quick, trace):
     """Dicts: label, ranks, replicas, cache scale (1: the ranks together can hold every distinct
     block once; 0.25: a quarter of that), workload (chat | blocks | a trace file), policies, goal
@@ -169,6 +214,13 @@ def configurations(suite, quick, trace):
                 cfg("no routing key, 8 ranks", 8, PREFIX_SHORT, prefix_goal),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]
+    if suite in ("kv", "all") and not trace:
+        out += [
+            cfg("kv-cache trace, 4 ranks", 4, KV_ALL, prefix_goal, workload="kv"),
+            cfg("kv-cache trace, 8 ranks", 8, KV_ALL, prefix_goal, workload="kv"),
+            cfg("kv-cache trace, 4 ranks, 2 Envoy replicas", 4, KV_REPLICAS, prefix_goal, replicas=2,
+                workload="kv"),
+        ]
     return out
 
 
@@ -188,6 +240,10 @@ def make_trace(workdir, c, quick):
         with open(path, "w") as f:
             f.write(replay(["synth", *flags]))
         desc = f"`dp-replay synth {' '.join(flags)}`"
+    elif kind == "kv":
+        path = os.path.join(workdir, f"trace-kv-{ranks}ranks.jsonl")
+        kv_trace(path, ranks)
+        desc = "KV-cache-trace shape (`kv_trace()` in this script: one shared 2 KiB system prompt, long one- and two-turn sessions, a few long conversations, shared documents)"
     elif kind == "blocks":
         path = os.path.join(workdir, f"trace-blocks-{ranks}ranks.jsonl")
         block_trace(path, ranks)
@@ -349,7 +405,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 ranks, a few policies, short workload")
     ap.add_argument("--check", action="store_true", help="smoke test: fail unless the filter beats round robin")
-    ap.add_argument("--suite", choices=["keyed", "prefix", "all"], default="all")
+    ap.add_argument("--suite", choices=["keyed", "prefix", "kv", "all"], default="all")
     ap.add_argument("--trace", help="prefix suite: replay this JSONL trace instead of the built-in workloads")
     ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"), help="results folder")
     ap.add_argument("--policies", help="comma-separated subset of the policies to run")

@@ -410,6 +410,8 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
         "min_match_blocks",
         "sticky_blocks",
         "shared_slack",
+        "load_blocks",
+        "home_blocks",
         "grid_bits",
         "table",
     ];
@@ -423,6 +425,8 @@ fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigErr
             "min_match_blocks" => k.min_match_blocks = as_u32(path, v)?,
             "sticky_blocks" => k.sticky_blocks = as_u32(path, v)?,
             "shared_slack" => k.shared_slack = as_u32(path, v)?,
+            "load_blocks" => k.load_blocks = as_u32(path, v)?,
+            "home_blocks" => k.home_blocks = as_u32(path, v)?,
             "grid_bits" => k.grid_bits = as_u32(path, v)?,
             _ => read_table(path, v, &mut r.table)?,
         }

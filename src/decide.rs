@@ -224,6 +224,27 @@ pub fn prefix_choice(
     states: Option<&RankStates>,
     now: u32,
 ) -> PrefixChoice {
+    prefix_choice_at(cfg, m, states, now, None)
+}
+
+/// [`prefix_choice`] weighed against the request's *home*: the rank the assigner gives it
+/// without the prefix (in `hash` mode the rendezvous rank of its key or anchor, the same on
+/// every replica). The match keeps its rank only when the prompt blocks it saves there,
+/// beyond what the home holds, outweigh the work already queued there beyond the home's:
+///
+/// `saved > prefix.load_blocks × (in flight there − in flight at home) + prefix.home_blocks`
+///
+/// So a long conversation history (80 blocks) stays over a difference of a request or two, a
+/// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
+/// cluster new conversations spread by their home instead of piling onto the first rank that
+/// computed a popular prefix.
+pub fn prefix_choice_at(
+    cfg: &Config,
+    m: &Match,
+    states: Option<&RankStates>,
+    now: u32,
+    home: Option<u32>,
+) -> PrefixChoice {
     let min = cfg.prefix.min_match_blocks.max(1) as usize;
     let rank = match m.rank {
         Some(rank) if m.blocks >= min && rank < cfg.dp_size => rank,
@@ -242,13 +263,33 @@ pub fn prefix_choice(
     } else {
         cfg.assign.new_key_bound
     };
-    match states {
-        Some(st) if !keep_pin(st, now, rank, bound) => PrefixChoice::SkippedFull { rank, blocks },
-        Some(st) if m.branched && busier_than_least(st, now, rank, cfg.prefix.shared_slack) => {
+    match (states, home) {
+        (Some(st), _) if !keep_pin(st, now, rank, bound) => {
+            PrefixChoice::SkippedFull { rank, blocks }
+        }
+        (Some(st), Some(home)) if home != rank && !outweighs_home(cfg, m, st, rank, home) => {
+            PrefixChoice::Spread { rank, blocks }
+        }
+        (Some(st), None)
+            if m.branched && busier_than_least(st, now, rank, cfg.prefix.shared_slack) =>
+        {
             PrefixChoice::Spread { rank, blocks }
         }
         _ => PrefixChoice::Hit { rank, blocks },
     }
+}
+
+/// Whether the match on `rank` saves more prompt blocks than the extra work queued there costs,
+/// compared with going `home` (see [`prefix_choice_at`]).
+fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32) -> bool {
+    let blocks = m.blocks as i64;
+    // A shared prefix held at home too saves nothing by going elsewhere.
+    let home_holds =
+        m.branched && (m.rank == Some(home) || m.holders & table::holder_flag(home) != 0);
+    let saved = if home_holds { 0 } else { blocks };
+    let queued = i64::from(st.inflight(rank)) - i64::from(st.inflight(home));
+    let cost = i64::from(cfg.prefix.load_blocks) * queued + i64::from(cfg.prefix.home_blocks);
+    saved > cost
 }
 
 /// Where a request goes once no explicit rank or room decided it.
@@ -298,14 +339,37 @@ pub fn place(
             };
         }
     }
-    let choice = prefix.map(|m| prefix_choice(cfg, m, states, now));
-    let placed = match choice {
-        Some(PrefixChoice::Hit { rank, blocks }) => Placed::Prefix { rank, blocks },
-        _ => Placed::Assigned(assign()),
+    let Some(m) = prefix else {
+        return Placement {
+            placed: Placed::Assigned(assign()),
+            prefix: None,
+        };
     };
+    // With load counted, the assigner's choice is the request's home, weighed against the
+    // match; without (`envoy` mode) the assigner only stands in when the prefix does not decide.
+    let (choice, placed) = match states {
+        Some(_) => {
+            let home = assign();
+            let choice = prefix_choice_at(cfg, m, states, now, home);
+            (choice, hit_or(choice, || home))
+        }
+        None => {
+            let choice = prefix_choice(cfg, m, None, now);
+            (choice, hit_or(choice, assign))
+        }
+    };
+    let choice = Some(choice);
     Placement {
         placed,
         prefix: choice,
+    }
+}
+
+/// The prefix's rank on a hit, else what `otherwise` assigns.
+fn hit_or(choice: PrefixChoice, otherwise: impl FnOnce() -> Option<u32>) -> Placed {
+    match choice {
+        PrefixChoice::Hit { rank, blocks } => Placed::Prefix { rank, blocks },
+        _ => Placed::Assigned(otherwise()),
     }
 }
 
@@ -1002,6 +1066,51 @@ mod tests {
     }
 
     #[test]
+    fn a_match_is_weighed_against_the_home() {
+        // load_blocks 32, home_blocks 8 (the defaults); a generous load bound so that only the
+        // weighing decides.
+        let c = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
+        let at = |m: &Match, loads: &[u32], home| {
+            let st = states(&loads.iter().map(|&n| (n, 0)).collect::<Vec<_>>());
+            prefix_choice_at(&c, m, Some(&st), 10, Some(home))
+        };
+        let shared = |blocks, rank, holders| Match {
+            blocks,
+            rank: Some(rank),
+            branched: true,
+            holders,
+            ..Match::default()
+        };
+        let hit = |rank, blocks| PrefixChoice::Hit { rank, blocks };
+        let spread = |rank, blocks| PrefixChoice::Spread { rank, blocks };
+        // A conversation's own 80-block history (40 KiB) stays over one or two more requests
+        // in flight (80 > 32 + 8, 80 > 64 + 8), not over three (80 < 96 + 8).
+        assert_eq!(at(&matched(80, 1), &[0, 1, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 2, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 3, 0, 0], 2), spread(1, 80));
+        // A 4-block (2 KiB) shared system prompt never outweighs going home on an idle
+        // cluster: new conversations spread by their home instead of piling onto its holder.
+        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 0, 0], 2), spread(1, 4));
+        // ...but a holder less loaded than the home keeps it (4 > -32 + 8).
+        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 1, 0], 2), hit(1, 4));
+        // A 160-block shared document stays with its holder over 4 more requests, not 5.
+        assert_eq!(at(&shared(160, 1, 0), &[0, 4, 0, 0], 2), hit(1, 160));
+        assert_eq!(at(&shared(160, 1, 0), &[0, 5, 0, 0], 2), spread(1, 160));
+        // The home holds the shared prefix too: nothing is saved elsewhere.
+        let home_holds = shared(160, 1, table::holder_flag(2));
+        assert_eq!(at(&home_holds, &[0, 0, 0, 0], 2), spread(1, 160));
+        // The match is at home: a hit whatever the load.
+        assert_eq!(at(&matched(4, 2), &[0, 0, 9, 0], 2), hit(2, 4));
+        // The weights are knobs: home_blocks 0 and a 4-block prefix on an idle cluster stays.
+        let c0 = cfg(r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"home_blocks":0}"#);
+        let idle = states(&[(0, 0); 4]);
+        assert_eq!(
+            prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2)),
+            hit(1, 4)
+        );
+    }
+
+    #[test]
     fn placement_order_pin_then_prefix_then_assigner() {
         let c = cfg(r#","assign":{"mode":"hash","min_capacity":1}"#);
         let idle = states(&[(0, 0); 4]);
@@ -1015,9 +1124,9 @@ mod tests {
                 prefix: None
             }
         );
-        // No pin: the prefix.
+        // No pin: the prefix (16 blocks outweigh the home's bonus on an idle cluster).
         assert_eq!(
-            place(&c, 0, None, Some(&m), Some(&idle), never),
+            place(&c, 0, None, Some(&m), Some(&idle), || Some(0)),
             Placement {
                 placed: Placed::Prefix {
                     rank: 3,
@@ -1032,7 +1141,7 @@ mod tests {
         // A pin over the pinned bound (rank 1: 9 of 9 in flight) moves to the prefix's rank.
         let pin_busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
         assert_eq!(
-            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), never).placed,
+            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), || Some(0)).placed,
             Placed::Prefix {
                 rank: 3,
                 blocks: 16

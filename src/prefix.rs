@@ -171,6 +171,12 @@ pub struct PrefixConfig {
     /// that rank has at most this many more requests in flight than the least loaded usable
     /// rank; otherwise the request is placed by load like a new one.
     pub shared_slack: u32,
+    /// Prompt blocks one more request in flight on a rank is worth, when a match there is weighed
+    /// against the request's home (`assign.mode` other than `envoy`).
+    pub load_blocks: u32,
+    /// Prompt blocks going home is worth by itself: the home is where every replica sends the
+    /// conversation's later turns.
+    pub home_blocks: u32,
     /// Indexed positions have at most this many significant bits (see the module doc): more bits,
     /// more precise matches, more entries written per chain and one more read per search.
     pub grid_bits: u32,
@@ -207,6 +213,8 @@ impl Default for PrefixConfig {
             min_match_blocks: 1,
             sticky_blocks: 1,
             shared_slack: 0,
+            load_blocks: 32,
+            home_blocks: 8,
             grid_bits: 2,
             table: TableConfig {
                 buckets: 65_536,
@@ -247,6 +255,12 @@ impl PrefixConfig {
         }
         if self.shared_slack > MAX_SHARED_SLACK {
             return bad("shared_slack", "must be in 0..=65536");
+        }
+        if self.load_blocks > MAX_BLOCKS_LIMIT {
+            return bad("load_blocks", "must be in 0..=4096");
+        }
+        if self.home_blocks > MAX_BLOCKS_LIMIT {
+            return bad("home_blocks", "must be in 0..=4096");
         }
         if !(1..=8).contains(&self.grid_bits) {
             return bad("grid_bits", "must be in 1..=8");
@@ -1161,6 +1175,24 @@ impl PrefixIndex {
             }
         }
         events
+    }
+
+    /// The request's *anchor*: a hash every Envoy replica derives the same from the request and
+    /// the shared part of its prompt, naming the conversation rather than what it shares with
+    /// others. It is the chain's hash at the first indexed position past a branched match (the
+    /// prefix other prompts share: a system prompt, a document), so it covers the first block of
+    /// the prompt's own part, which every later turn of the conversation repeats. With an
+    /// unbranched match or none, the first position past the match stands in for it (the index
+    /// does not know yet what is shared). `None`: an empty chain.
+    pub fn anchor(&self, chain: &[u64], matched: &Match) -> Option<u64> {
+        let last = chain.len().checked_sub(1)?;
+        let next = self
+            .grid
+            .iter()
+            .map(|&p| p as usize)
+            .find(|&p| p > matched.blocks)
+            .unwrap_or(chain.len());
+        chain.get(next.min(last + 1) - 1).copied()
     }
 
     /// How many positions [`record`](Self::record) would write.
@@ -2178,6 +2210,32 @@ mod tests {
         assert_eq!((used.rank, used.refreshes), (Some(1), 1));
         assert_eq!(idx.longest_match(&s, &b, 1180, 4).rank, Some(1));
         assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
+    }
+
+    #[test]
+    fn the_anchor_is_the_first_position_past_the_shared_part() {
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        let system = random_chain(1, 5, &[], 0);
+        let a = random_chain(2, 40, &system, 5);
+        let b = random_chain(3, 40, &system, 5);
+        // The system prompt (5 blocks) is indexed down to grid position 4, branched.
+        let shared = Match {
+            blocks: 4,
+            rank: Some(0),
+            branched: true,
+            ..Match::default()
+        };
+        // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
+        // include the prompt's own sixth block, differs between the two conversations...
+        assert_eq!(idx.anchor(&a, &shared), Some(a[5]));
+        assert_ne!(idx.anchor(&a, &shared), idx.anchor(&b, &shared));
+        // ...and stays the same for a later turn of the same conversation.
+        let a_next = random_chain(2, 60, &a, 40);
+        assert_eq!(idx.anchor(&a_next, &shared), idx.anchor(&a, &shared));
+        // A chain shorter than the next position: its last block. Empty: none.
+        assert_eq!(idx.anchor(&a[..5], &shared), Some(a[4]));
+        assert_eq!(idx.anchor(&[], &shared), None);
+        assert_eq!(idx.anchor(&a, &Match::default()), Some(a[0]));
     }
 
     #[test]

@@ -709,6 +709,9 @@ impl Filter {
                 rt.counters.add(fallback_counter(reason), 1);
                 self.routed = Routed::Balanced;
                 let matched = self.prefix_lookup();
+                // No key: the prompt's anchor stands for one, so every replica gives the
+                // conversation the same home.
+                let anchor = self.prefix_anchor();
                 let now = rt.clock.now();
                 if rt.cfg.assign.tracks_load() {
                     let mut placement = None;
@@ -717,7 +720,7 @@ impl Filter {
                             .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
                                 let p =
                                     place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
-                                        self.place(st, None)
+                                        self.place(st, anchor)
                                     });
                                 placement = Some(p);
                                 placed_rank(p.placed)
@@ -864,6 +867,13 @@ impl Filter {
         Some(state.matched)
     }
 
+    /// The anchor of this request's prompt (see `PrefixIndex::anchor`), once it was looked up.
+    fn prefix_anchor(&self) -> Option<u64> {
+        let idx = self.rt.prefix.as_ref()?;
+        let state = self.prefix.as_ref()?;
+        idx.anchor(state.chain.hashes(), &state.matched)
+    }
+
     /// Records this request's chain under the rank that serves it (once), writing only the
     /// positions beyond what the lookup found.
     fn record_prefix(&mut self, rank: u32) {
@@ -932,7 +942,7 @@ impl Filter {
             (Mode::Envoy, _) => None,
             (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.new_key_bound),
             (Mode::RoundRobin, _) => choose_round_robin(st, now, turn),
-            // Keyless requests in hash mode, and every placement in the others.
+            // Requests with neither key nor anchor in hash mode, and every placement in the others.
             _ => choose_least_inflight(st, now, turn),
         }
     }
