@@ -87,6 +87,44 @@ pub fn choose_hash(
     best.or(top).map(|(_, r)| r)
 }
 
+/// The less loaded of the two highest-weighted usable ranks that are not full under `bound`
+/// (the top one on a tie): "power of two choices" over the rendezvous order. Every replica
+/// considers the same two ranks for a key, and with similar load views picks the same one; the
+/// second choice keeps one unlucky key's rank from being the hottest. Falls back like
+/// [`choose_hash`] when fewer than two ranks qualify.
+pub fn choose_hash_of_two(
+    states: &RankStates,
+    now: u32,
+    seed: u64,
+    key: u64,
+    bound: Bound,
+) -> Option<u32> {
+    let (total, usable) = states.usable_load(now);
+    let cap = bound.capacity(total, usable);
+    let mut two: [Option<(u64, u32)>; 2] = [None, None]; // highest weights first
+    for rank in 0..states.ranks.len() as u32 {
+        if !states.usable(rank, now) || u64::from(states.inflight(rank)) >= cap {
+            continue;
+        }
+        let w = weight(seed, key, rank);
+        if two[0].is_none_or(|(tw, _)| w > tw) {
+            two = [Some((w, rank)), two[0]];
+        } else if two[1].is_none_or(|(sw, _)| w > sw) {
+            two[1] = Some((w, rank));
+        }
+    }
+    match two {
+        [Some((_, first)), Some((_, second))] => {
+            Some(if states.inflight(second) < states.inflight(first) {
+                second
+            } else {
+                first
+            })
+        }
+        _ => choose_hash(states, now, seed, key, bound),
+    }
+}
+
 /// Whether a key pinned to `rank` stays there: the rank is usable and its load is under the
 /// looser bound (default factor 2 × mean). Above it, the key moves (once: its new rank is then below).
 pub fn keep_pin(states: &RankStates, now: u32, rank: u32, bound: Bound) -> bool {
@@ -300,6 +338,37 @@ mod tests {
             choose_hash(&with_load(&loads), 0, 0, k, floored),
             Some(free)
         );
+    }
+
+    #[test]
+    fn two_choices_take_the_idler_of_the_top_two() {
+        let b = Bound {
+            factor: 100.0,
+            floor: 100,
+        };
+        let idle = idle(4);
+        let mut order: Vec<u32> = (0..4).collect();
+        order.sort_by_key(|&r| std::cmp::Reverse(weight(7, 42, r)));
+        let (first, second) = (order[0], order[1]);
+        // Idle: the top of the rendezvous order, as choose_hash.
+        assert_eq!(choose_hash_of_two(&idle, 0, 7, 42, b), Some(first));
+        assert_eq!(choose_hash(&idle, 0, 7, 42, b), Some(first));
+        // The top one busier: the second.
+        let mut st = idle.clone();
+        st.ranks[first as usize].inflight = 2;
+        st.ranks[second as usize].inflight = 1;
+        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(second));
+        // A tie stays on top; the others' load does not matter.
+        st.ranks[second as usize].inflight = 2;
+        st.ranks[order[2] as usize].inflight = 0;
+        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(first));
+        // One usable rank: that one.
+        let mut one = idle.clone();
+        for r in &mut one.ranks {
+            r.down_until = 10;
+        }
+        one.ranks[3].down_until = 0;
+        assert_eq!(choose_hash_of_two(&one, 0, 7, 42, b), Some(3));
     }
 
     #[test]

@@ -1294,6 +1294,8 @@ mod tests {
                 "prefix.shared_slack",
             ),
             (r#"{"prefix":{"shared_slack":-1}}"#, "prefix.shared_slack"),
+            (r#"{"prefix":{"load_blocks":4097}}"#, "prefix.load_blocks"),
+            (r#"{"prefix":{"home_blocks":4097}}"#, "prefix.home_blocks"),
             (r#"{"prefix":{"grid_bits":0}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":9}}"#, "prefix.grid_bits"),
             (r#"{"prefix":{"grid_bits":1.5}}"#, "prefix.grid_bits"),

@@ -232,7 +232,7 @@ pub fn prefix_choice(
 /// every replica). The match keeps its rank only when the prompt blocks it saves there,
 /// beyond what the home holds, outweigh the work already queued there beyond the home's:
 ///
-/// `saved > prefix.load_blocks × (in flight there − in flight at home) + prefix.home_blocks`
+/// `saved > prefix.load_blocks × max(0, in flight there − in flight at home) + prefix.home_blocks`
 ///
 /// So a long conversation history (80 blocks) stays over a difference of a request or two, a
 /// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
@@ -282,13 +282,16 @@ pub fn prefix_choice_at(
 /// Whether the match on `rank` saves more prompt blocks than the extra work queued there costs,
 /// compared with going `home` (see [`prefix_choice_at`]).
 fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32) -> bool {
-    let blocks = m.blocks as i64;
+    let blocks = m.blocks as u64;
     // A shared prefix held at home too saves nothing by going elsewhere.
     let home_holds =
         m.branched && (m.rank == Some(home) || m.holders & table::holder_flag(home) != 0);
     let saved = if home_holds { 0 } else { blocks };
-    let queued = i64::from(st.inflight(rank)) - i64::from(st.inflight(home));
-    let cost = i64::from(cfg.prefix.load_blocks) * queued + i64::from(cfg.prefix.home_blocks);
+    // Only extra work counts against the match: a holder idler than the home gains nothing from
+    // it, or a replica that sees other loads would send the conversation elsewhere.
+    let queued = st.inflight(rank).saturating_sub(st.inflight(home));
+    let cost =
+        u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(cfg.prefix.home_blocks);
     saved > cost
 }
 
@@ -1067,9 +1070,10 @@ mod tests {
 
     #[test]
     fn a_match_is_weighed_against_the_home() {
-        // load_blocks 32, home_blocks 8 (the defaults); a generous load bound so that only the
-        // weighing decides.
-        let c = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
+        // load_blocks 32, home_blocks 8; a generous load bound so that only the weighing decides.
+        let c = cfg(
+            r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"load_blocks":32,"home_blocks":8}"#,
+        );
         let at = |m: &Match, loads: &[u32], home| {
             let st = states(&loads.iter().map(|&n| (n, 0)).collect::<Vec<_>>());
             prefix_choice_at(&c, m, Some(&st), 10, Some(home))
@@ -1091,8 +1095,9 @@ mod tests {
         // A 4-block (2 KiB) shared system prompt never outweighs going home on an idle
         // cluster: new conversations spread by their home instead of piling onto its holder.
         assert_eq!(at(&shared(4, 1, 0), &[0, 0, 0, 0], 2), spread(1, 4));
-        // ...but a holder less loaded than the home keeps it (4 > -32 + 8).
-        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 1, 0], 2), hit(1, 4));
+        // Not even when the holder is idler than the home: a replica with another view of the
+        // loads would send the conversation elsewhere.
+        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 3, 0], 2), spread(1, 4));
         // A 160-block shared document stays with its holder over 4 more requests, not 5.
         assert_eq!(at(&shared(160, 1, 0), &[0, 4, 0, 0], 2), hit(1, 160));
         assert_eq!(at(&shared(160, 1, 0), &[0, 5, 0, 0], 2), spread(1, 160));
@@ -1103,6 +1108,13 @@ mod tests {
         assert_eq!(at(&matched(4, 2), &[0, 0, 9, 0], 2), hit(2, 4));
         // The weights are knobs: home_blocks 0 and a 4-block prefix on an idle cluster stays.
         let c0 = cfg(r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"home_blocks":0}"#);
+        // The defaults (8, 8): an 80-block history stays over 8 more requests in flight.
+        let d = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
+        let eight_more = states(&[(0, 0), (8, 0), (0, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice_at(&d, &matched(80, 1), Some(&eight_more), 10, Some(2)),
+            hit(1, 80)
+        );
         let idle = states(&[(0, 0); 4]);
         assert_eq!(
             prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2)),

@@ -201,6 +201,12 @@ impl Default for PrefixConfig {
     ///   per rank and then served from every cache, so it only decides between equally loaded
     ///   ranks; a popular system prompt does not pile its conversations onto one rank. Raise it
     ///   when shared prefixes are long and caches small (each copy costs cache space).
+    /// - `load_blocks` 8, `home_blocks` 8 (see `decide::prefix_choice_at`): chosen on the
+    ///   KV-cache-trace benchmark (`scripts/bench-affinity.py --suite kv`): with 32 per request
+    ///   in flight, conversations left their cached history over small load differences (hit
+    ///   rate 0.97 × oracle instead of 0.99, slower first tokens); 8 keeps an 80-block (40 KiB)
+    ///   history until nine more requests queue there than at home, and a shared system prompt
+    ///   of 8 blocks (4 KiB) or less never pulls a new conversation away from its home.
     /// - Index: 65,536 buckets × 16 ways (16 MiB, the affinity table's geometry): a bucket read
     ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 14
     ///   entries per chain: room for ~75,000 long prompts, more short ones.
@@ -213,7 +219,7 @@ impl Default for PrefixConfig {
             min_match_blocks: 1,
             sticky_blocks: 1,
             shared_slack: 0,
-            load_blocks: 32,
+            load_blocks: 8,
             home_blocks: 8,
             grid_bits: 2,
             table: TableConfig {

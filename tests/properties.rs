@@ -1287,6 +1287,8 @@ fn section_fields(name: &str) -> &'static [&'static str] {
             "min_match_blocks",
             "sticky_blocks",
             "shared_slack",
+            "load_blocks",
+            "home_blocks",
             "grid_bits",
             "table",
         ],

@@ -11,7 +11,9 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::assign::{choose_hash, choose_least_inflight, choose_round_robin, Mode};
+use crate::assign::{
+    choose_hash, choose_hash_of_two, choose_least_inflight, choose_round_robin, Mode,
+};
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
@@ -720,7 +722,7 @@ impl Filter {
                             .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
                                 let p =
                                     place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
-                                        self.place(st, anchor)
+                                        self.place(st, None, anchor)
                                     });
                                 placement = Some(p);
                                 placed_rank(p.placed)
@@ -809,7 +811,7 @@ impl Filter {
             .board
             .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
                 let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
-                    self.place(st, Some(hash))
+                    self.place(st, Some(hash), None)
                 });
                 placement = Some(p);
                 placed_rank(p.placed)
@@ -933,7 +935,7 @@ impl Filter {
     }
 
     /// The configured assigner's choice over a snapshot of rank state.
-    fn place(&self, st: &RankStates, key: Option<u64>) -> Option<u32> {
+    fn place(&self, st: &RankStates, key: Option<u64>, anchor: Option<u64>) -> Option<u32> {
         let a = &self.rt.cfg.assign;
         let now = self.rt.clock.now();
         let turn = self.rt.turn.get();
@@ -941,6 +943,10 @@ impl Filter {
         match (a.mode, key) {
             (Mode::Envoy, _) => None,
             (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.new_key_bound),
+            (Mode::Hash, None) => match anchor {
+                Some(anchor) => choose_hash_of_two(st, now, a.seed, anchor, a.new_key_bound),
+                None => choose_least_inflight(st, now, turn),
+            },
             (Mode::RoundRobin, _) => choose_round_robin(st, now, turn),
             // Requests with neither key nor anchor in hash mode, and every placement in the others.
             _ => choose_least_inflight(st, now, turn),
