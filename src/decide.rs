@@ -290,8 +290,14 @@ fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32
     // Only extra work counts against the match: a holder idler than the home gains nothing from
     // it, or a replica that sees other loads would send the conversation elsewhere.
     let queued = st.inflight(rank).saturating_sub(st.inflight(home));
-    let cost =
-        u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(cfg.prefix.home_blocks);
+    // The bonus is for a home every replica computes alike and every turn returns to: the
+    // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
+    // one request to the next, so it earns none.
+    let bonus = match cfg.assign.mode {
+        Mode::Hash => cfg.prefix.home_blocks,
+        _ => 0,
+    };
+    let cost = u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(bonus);
     saved > cost
 }
 
@@ -1106,6 +1112,19 @@ mod tests {
         assert_eq!(at(&home_holds, &[0, 0, 0, 0], 2), spread(1, 160));
         // The match is at home: a hit whatever the load.
         assert_eq!(at(&matched(4, 2), &[0, 0, 9, 0], 2), hit(2, 4));
+        // Only a rendezvous home (hash mode) earns the bonus: with least_inflight, the least
+        // loaded rank of the moment, a 4-block match on an idle cluster stays.
+        let li = cfg(r#","assign":{"mode":"least_inflight","min_capacity":64}"#);
+        assert_eq!(
+            prefix_choice_at(
+                &li,
+                &shared(4, 1, 0),
+                Some(&states(&[(0, 0); 4])),
+                10,
+                Some(2)
+            ),
+            hit(1, 4)
+        );
         // The weights are knobs: home_blocks 0 and a 4-block prefix on an idle cluster stays.
         let c0 = cfg(r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"home_blocks":0}"#);
         // The defaults (8, 8): an 80-block history stays over 8 more requests in flight.
