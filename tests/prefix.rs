@@ -215,16 +215,19 @@ fn full_prefix_rank_is_avoided() {
 }
 
 /// A prompt sharing only a prefix that other prompts already went on past (a *branched* system
-/// prompt) yields to an idler rank when its rank is busy (`prefix_spread`), while a conversation's
-/// own next turn stays on its busy rank: the spread needs no full rank, only a busier one.
+/// prompt) yields to an idler rank when the work queued on its rank outweighs the prefix
+/// (`prefix_spread`), while a conversation's own, longer history stays on the busy rank: the
+/// spread needs no full rank, only a busier one. With `prefix.load_blocks` 40, one request in
+/// flight outweighs the 32-block system prompt but not the conversation's 48 indexed blocks.
 #[test]
 fn shared_prefix_spreads_while_conversations_stay() {
     let stack = Stack::start(
         "prefix_shared_prefix_spreads",
         // The default floor (min_capacity 8): one request in flight never makes a rank full.
-        StackOptions::new(prefix_config(
-            json!({ "assign": { "mode": "least_inflight" } }),
-        ))
+        StackOptions::new(prefix_config(json!({
+            "assign": { "mode": "least_inflight" },
+            "prefix": { "load_blocks": 40 }
+        })))
         .mock_args(&["--stream-interval-ms", "250"]),
     );
     let system = system_prompt("shared");
