@@ -109,18 +109,25 @@ def chat_workload(ranks, quick):
     ]
 
 
-def block_trace(path, ranks, seed=11):
-    """A block-id trace in the shape of public KV-cache traces (Mooncake: `timestamp`, `hash_ids`,
-    `output_length`), written deterministically: per session a system prompt of 48 blocks shared by
-    its tenant, often one of 12 shared documents (Zipf-like popularity, 24-96 blocks), then turns
-    that each append 6-12 new blocks. No routing key: sharing is visible only in the blocks."""
-    rng = random.Random(seed)
+def id_source():
+    """fresh(n): the next n block ids, never used before in this trace."""
     next_id = [1]
 
     def fresh(n):
         ids = list(range(next_id[0], next_id[0] + n))
         next_id[0] += n
         return ids
+
+    return fresh
+
+
+def block_trace(path, ranks, seed=11):
+    """A block-id trace in the shape of public KV-cache traces (Mooncake: `timestamp`, `hash_ids`,
+    `output_length`), written deterministically: per session a system prompt of 48 blocks shared by
+    its tenant, often one of 12 shared documents (Zipf-like popularity, 24-96 blocks), then turns
+    that each append 6-12 new blocks. No routing key: sharing is visible only in the blocks."""
+    rng = random.Random(seed)
+    fresh = id_source()
 
     tenants = [fresh(48) for _ in range(ranks)]
     docs = [fresh(rng.randint(24, 96)) for _ in range(12)]
@@ -155,12 +162,7 @@ def kv_trace(path, ranks, seed=23):
     on for 6-20 turns; 15 % of sessions open with one of 8 shared documents (40-160 blocks). The
     arrival rate scales with the rank count."""
     rng = random.Random(seed)
-    next_id = [1]
-
-    def fresh(n):
-        ids = list(range(next_id[0], next_id[0] + n))
-        next_id[0] += n
-        return ids
+    fresh = id_source()
 
     system = fresh(32)
     docs = [fresh(rng.randint(40, 160)) for _ in range(8)]
