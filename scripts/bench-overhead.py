@@ -11,7 +11,7 @@ and the only difference is the filter chain in front of the router:
   NB  the same no-op filter reading the whole body once: what any body-routing wasm filter costs
   B   dp_affinity (assign.mode hash, dp_size 4): the routing key from a header, or from the body
   P   dp_affinity as B with prefix placement on, sent bodies with no routing key: the prompt is
-      hashed into blocks and matched against the prefix index (issue 6's path)
+      hashed into blocks and matched against the prefix index (the keyless prefix path)
   H   Envoy's native hash routing: weighted_clusters + use_hash_policy on the key header
 
 Variants (wrk with a Lua script that every variant shares; keys from a set of 1000):
@@ -56,7 +56,7 @@ BODY_VARIANTS = 16
 BODY_VARIANTS_RUN = ("A", "NB", "B", "P")
 SIZES = {"body-1k": 1024, "body-64k": 64 * 1024, "body-1m": 1024 * 1024}
 GOALS = {"header": 1.10, "body-64k": 1.25}
-# Issue 6: prefix placement adds at most this much to plain Envoy's p50, at 64 KiB.
+# The keyless prefix path's goal: at most this much added to plain Envoy's p50, at 64 KiB.
 PREFIX_GOAL_US = {"body-64k": 100}
 PREFIX_PLUGIN = {"dp_size": 4, "assign": {"mode": "hash"}, "prefix": {"enabled": True}}
 

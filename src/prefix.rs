@@ -1,4 +1,4 @@
-//! Prefix-aware placement without a routing key (issue 6): the request's canonical prompt is cut
+//! Prefix-aware placement without a routing key: the request's canonical prompt is cut
 //! into fixed-size blocks hashed as a chain, and a second bounded table in shared data (the
 //! *prefix index*) maps chained block hashes to the rank that served them. A request whose leading
 //! blocks are in the index can go where that prefix is already cached.

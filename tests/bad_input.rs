@@ -100,26 +100,6 @@ fn assert_still_routing(stack: &Stack, name: &str) {
     );
 }
 
-/// A request encoded by hand, so header values can be any bytes (not UTF-8 included).
-fn raw_request(headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8> {
-    let mut bytes = format!("POST {CHAT} HTTP/1.1\r\nhost: localhost\r\n").into_bytes();
-    for (name, value) in headers {
-        bytes.extend_from_slice(name.as_bytes());
-        bytes.extend_from_slice(b": ");
-        bytes.extend_from_slice(value);
-        bytes.extend_from_slice(b"\r\n");
-    }
-    bytes.extend_from_slice(
-        format!(
-            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        )
-        .as_bytes(),
-    );
-    bytes.extend_from_slice(body);
-    bytes
-}
-
 /// Megabyte rank fields in the body, with the default configuration (`body.max_bytes` 8 MiB, so
 /// the 4 MB bodies are read): 4,000,000 digits, a 4 MB string, a 4 MB array. Each gets a 400 of
 /// at most 300 bytes that names the field and quotes at most 32 bytes of the value.
@@ -213,7 +193,7 @@ fn long_rank_header_gets_a_bounded_400() {
     let high: Vec<u8> = (0x80..=0xffu8).cycle().take(LEN).collect();
     let outcome = http::send_raw(
         s.addr(),
-        raw_request(&[(RANK_HEADER, &high)], b"{}"),
+        http::raw_request(CHAT, &[(RANK_HEADER, &high)], b"{}"),
         "POST",
     );
     let response = outcome.response.unwrap_or_else(|| {

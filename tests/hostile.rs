@@ -241,27 +241,6 @@ fn assert_invalid_rank(response: &Response, param: &str, label: &str) -> Value {
     body
 }
 
-/// A request encoded by hand: header values are raw bytes (they need not be
-/// UTF-8). Always `connection: close`, framed by content-length.
-fn raw_request(path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8> {
-    let mut bytes = format!("POST {path} HTTP/1.1\r\nhost: localhost\r\n").into_bytes();
-    for (name, value) in headers {
-        bytes.extend_from_slice(name.as_bytes());
-        bytes.extend_from_slice(b": ");
-        bytes.extend_from_slice(value);
-        bytes.extend_from_slice(b"\r\n");
-    }
-    bytes.extend_from_slice(
-        format!(
-            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        )
-        .as_bytes(),
-    );
-    bytes.extend_from_slice(body);
-    bytes
-}
-
 /// The response of a raw exchange, which must have completed.
 fn complete(outcome: RawOutcome, label: &str) -> Response {
     let RawOutcome {
@@ -691,7 +670,7 @@ fn header_bytes_and_sizes() {
 
     let mut key = b"bin-".to_vec();
     key.extend_from_slice(&high);
-    let keyed_raw = raw_request(CHAT, &[(KEY_HEADER, &key)], body);
+    let keyed_raw = http::raw_request(CHAT, &[(KEY_HEADER, &key)], body);
     let mut ranks = Vec::new();
     for turn in 0..3 {
         let outcome = http::send_raw(s.addr(), keyed_raw.clone(), "POST");
@@ -706,13 +685,13 @@ fn header_bytes_and_sizes() {
     s.assert_counter("affinity_miss", 1);
     s.assert_counter("affinity_hit", 2);
 
-    let rank_raw = raw_request(CHAT, &[(RANK_HEADER, &high)], body);
+    let rank_raw = http::raw_request(CHAT, &[(RANK_HEADER, &high)], body);
     let response = complete(http::send_raw(s.addr(), rank_raw, "POST"), "non-UTF-8 rank");
     let error = assert_invalid_rank(&response, RANK_HEADER, "non-UTF-8 rank header");
     eprintln!("non-UTF-8 rank header answered: {error}");
     let mut digit_then_high = b"1".to_vec();
     digit_then_high.push(0xFF);
-    let rank_raw = raw_request(CHAT, &[(RANK_HEADER, &digit_then_high)], body);
+    let rank_raw = http::raw_request(CHAT, &[(RANK_HEADER, &digit_then_high)], body);
     let response = complete(http::send_raw(s.addr(), rank_raw, "POST"), "1\\xff rank");
     assert_invalid_rank(&response, RANK_HEADER, "rank header 1\\xff");
     s.assert_counter("invalid_rank", 2);
@@ -730,7 +709,7 @@ fn header_bytes_and_sizes() {
     for header in [KEY_HEADER, RANK_HEADER] {
         let outcome = http::send_raw(
             s.addr(),
-            raw_request(CHAT, &[(header, &huge)], body),
+            http::raw_request(CHAT, &[(header, &huge)], body),
             "POST",
         );
         let status_line = outcome.status_line();

@@ -527,3 +527,24 @@ fn read_some<R: BufRead>(reader: &mut R) -> Option<Vec<u8>> {
     reader.consume(piece.len());
     Some(piece)
 }
+
+/// A request encoded by hand: header values are raw bytes (they need not be
+/// UTF-8). Always `connection: close`, framed by content-length.
+pub fn raw_request(path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8> {
+    let mut bytes = format!("POST {path} HTTP/1.1\r\nhost: localhost\r\n").into_bytes();
+    for (name, value) in headers {
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.extend_from_slice(b": ");
+        bytes.extend_from_slice(value);
+        bytes.extend_from_slice(b"\r\n");
+    }
+    bytes.extend_from_slice(
+        format!(
+            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    bytes.extend_from_slice(body);
+    bytes
+}
