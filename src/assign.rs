@@ -113,14 +113,16 @@ pub fn choose_hash_of_two(
             two[1] = Some((w, rank));
         }
     }
+    // Fewer in flight, then less recent work (prompt blocks this VM sent there lately): on a
+    // quiet cluster the ranks are nearly always tied in flight, and a rank that was just given
+    // long sessions keeps getting their next turns.
+    let load = |r: u32| (states.inflight(r), states.recent(r));
     match two {
-        [Some((_, first)), Some((_, second))] => {
-            Some(if states.inflight(second) < states.inflight(first) {
-                second
-            } else {
-                first
-            })
-        }
+        [Some((_, first)), Some((_, second))] => Some(if load(second) < load(first) {
+            second
+        } else {
+            first
+        }),
         _ => choose_hash(states, now, seed, key, bound),
     }
 }
@@ -186,6 +188,7 @@ mod tests {
                 .iter()
                 .map(|&inflight| RankLoad {
                     inflight,
+                    recent: 0,
                     down_until: 0,
                 })
                 .collect(),
@@ -358,8 +361,14 @@ mod tests {
         st.ranks[first as usize].inflight = 2;
         st.ranks[second as usize].inflight = 1;
         assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(second));
-        // A tie stays on top; the others' load does not matter.
+        // Tied in flight: less recent work wins.
         st.ranks[second as usize].inflight = 2;
+        st.ranks[first as usize].recent = 90;
+        st.ranks[second as usize].recent = 10;
+        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(second));
+        st.ranks[first as usize].recent = 0;
+        st.ranks[second as usize].recent = 0;
+        // A tie stays on top; the others' load does not matter.
         st.ranks[order[2] as usize].inflight = 0;
         assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(first));
         // One usable rank: that one.

@@ -792,6 +792,7 @@ mod tests {
                 .map(|&(inflight, down_until)| RankLoad {
                     inflight,
                     down_until,
+                    recent: 0,
                 })
                 .collect(),
         }

@@ -47,6 +47,9 @@ pub struct RankLoad {
     pub inflight: u32,
     /// Cooling down until (unix seconds): not usable before.
     pub down_until: u32,
+    /// Prompt blocks this VM sent to the rank lately, decayed by 1/8 a second (half-life ~5 s):
+    /// how much work it gave the rank, including requests that already ended.
+    pub recent: u32,
 }
 
 /// All ranks' state, as an assigner sees it.
@@ -77,6 +80,18 @@ impl RankStates {
     pub fn inflight(&self, rank: u32) -> u32 {
         self.ranks.get(rank as usize).map_or(0, |r| r.inflight)
     }
+
+    /// Prompt blocks this VM sent to `rank` lately (see [`RankLoad::recent`]).
+    pub fn recent(&self, rank: u32) -> u32 {
+        self.ranks.get(rank as usize).map_or(0, |r| r.recent)
+    }
+
+    fn with_recent(mut self, recent: &[u32]) -> RankStates {
+        for (r, n) in self.ranks.iter_mut().zip(recent) {
+            r.recent = *n;
+        }
+        self
+    }
 }
 
 /// This VM's own streams in flight per rank: the truth its column publishes.
@@ -87,6 +102,9 @@ pub struct LocalLoad {
     inflight: Vec<u32>,
     /// The counts changed since they were last published.
     dirty: bool,
+    /// Prompt blocks sent to each rank lately, decayed every tick (never published: a view of
+    /// this VM's own recent work).
+    recent: Vec<u32>,
     /// The last successful write left a column of ours on the board (it had counts).
     in_board: bool,
 }
@@ -98,12 +116,20 @@ impl LocalLoad {
             inflight: vec![0; dp_size as usize],
             dirty: false,
             in_board: false,
+            recent: vec![0; dp_size as usize],
         }
     }
 
     /// This VM's own requests in flight on `rank`.
     pub fn inflight(&self, rank: u32) -> u32 {
         self.inflight.get(rank as usize).copied().unwrap_or(0)
+    }
+
+    /// Ages the recent work by one tick (× 7/8).
+    pub fn decay(&mut self) {
+        for n in &mut self.recent {
+            *n -= *n / 8;
+        }
     }
 
     fn idle(&self) -> bool {
@@ -236,6 +262,7 @@ impl Board {
             .map(|h| RankLoad {
                 inflight: 0,
                 down_until: h.down_until,
+                recent: 0,
             })
             .collect();
         let others = self
@@ -330,22 +357,26 @@ impl RankBoard {
         let (value, _) = store.get(&self.key);
         self.decode(value.as_deref(), now)
             .view(now, local.id, Some(&local.inflight))
+            .with_recent(&local.recent)
     }
 
     /// Reads the state, lets `choose` pick a rank from it, and counts one more request in flight
     /// on that rank, atomically: a lost race re-reads and chooses again, so two workers never
     /// both take the last free slot of a rank. When every retry loses, the last choice stands
     /// and is counted in memory: the next write publishes it.
+    /// `blocks`: the request's prompt size, added to the chosen rank's recent work.
     pub fn acquire(
         &self,
         store: &dyn Store,
         local: &mut LocalLoad,
         now: u32,
+        blocks: u32,
         mut choose: impl FnMut(&RankStates) -> Option<u32>,
     ) -> (Option<u32>, BoardEvents) {
         let mut chosen = None;
+        let recent = local.recent.clone();
         let events = self.publish_with(store, local, now, |board, id, counts| {
-            chosen = choose(&board.view(now, id, Some(counts)));
+            chosen = choose(&board.view(now, id, Some(counts)).with_recent(&recent));
             match chosen.and_then(|r| counts.get_mut(r as usize)) {
                 Some(n) => {
                     *n = n.saturating_add(1);
@@ -354,6 +385,9 @@ impl RankBoard {
                 None => false,
             }
         });
+        if let Some(n) = chosen.and_then(|r| local.recent.get_mut(r as usize)) {
+            *n = n.saturating_add(blocks);
+        }
         (chosen, events)
     }
 
@@ -568,7 +602,7 @@ mod tests {
     fn acquire_release_never_negative() {
         let (s, b) = board(4, 3);
         let mut vm = LocalLoad::new(4);
-        let (r, _) = b.acquire(&s, &mut vm, 100, |_| Some(2));
+        let (r, _) = b.acquire(&s, &mut vm, 100, 1, |_| Some(2));
         assert_eq!(r, Some(2));
         assert_eq!(seen(&s, &b, 100), [0, 0, 1, 0]);
         b.release(&s, &mut vm, 100, 2);
@@ -576,7 +610,7 @@ mod tests {
         b.release(&s, &mut vm, 100, 9);
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
         assert_eq!(vm.inflight(2), 0);
-        let (none, _) = b.acquire(&s, &mut vm, 100, |_| None);
+        let (none, _) = b.acquire(&s, &mut vm, 100, 1, |_| None);
         assert_eq!(none, None);
         assert_eq!(b.read(&s, &vm, 100).usable_load(100), (0, 4));
     }
@@ -585,9 +619,9 @@ mod tests {
     fn columns_of_several_vms_add_up_and_idle_ones_leave() {
         let (s, b) = board(2, 3);
         let (mut a, mut c) = (LocalLoad::new(2), LocalLoad::new(2));
-        b.acquire(&s, &mut a, 100, |_| Some(0));
-        b.acquire(&s, &mut a, 100, |_| Some(1));
-        b.acquire(&s, &mut c, 100, |_| Some(0));
+        b.acquire(&s, &mut a, 100, 1, |_| Some(0));
+        b.acquire(&s, &mut a, 100, 1, |_| Some(1));
+        b.acquire(&s, &mut c, 100, 1, |_| Some(0));
         assert_eq!(seen(&s, &b, 100), [2, 1]);
         assert_ne!(a.id, c.id, "each VM has a column of its own");
         // A VM sees the others' columns plus its own memory.
@@ -608,7 +642,7 @@ mod tests {
     fn a_lost_release_is_published_by_the_next_tick() {
         let (s, b) = board(2, 0);
         let mut vm = LocalLoad::new(2);
-        b.acquire(&s, &mut vm, 100, |_| Some(1));
+        b.acquire(&s, &mut vm, 100, 1, |_| Some(1));
         s.lose_races.set(1);
         let ev = b.release(&s, &mut vm, 100, 1);
         assert_eq!(ev.cas_exhausted, 1);
@@ -624,7 +658,7 @@ mod tests {
         let (s, b) = board(2, 0);
         let mut vm = LocalLoad::new(2);
         s.lose_races.set(1);
-        let (r, ev) = b.acquire(&s, &mut vm, 100, |_| Some(0));
+        let (r, ev) = b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         assert_eq!((r, ev.cas_exhausted), (Some(0), 1));
         assert_eq!(vm.inflight(0), 1);
         b.publish(&s, &mut vm, 100);
@@ -636,7 +670,7 @@ mod tests {
         let (s, b) = board(2, 3);
         let mut dead = LocalLoad::new(2);
         for _ in 0..16 {
-            b.acquire(&s, &mut dead, 100, |_| Some(1));
+            b.acquire(&s, &mut dead, 100, 1, |_| Some(1));
         }
         assert_eq!(seen(&s, &b, 100), [0, 16]);
         assert_eq!(seen(&s, &b, 100 + LEASE_SECONDS), [0, 16]);
@@ -647,7 +681,7 @@ mod tests {
         );
         // A live VM's next write removes it.
         let mut live = LocalLoad::new(2);
-        b.acquire(&s, &mut live, 101 + LEASE_SECONDS, |_| Some(0));
+        b.acquire(&s, &mut live, 101 + LEASE_SECONDS, 1, |_| Some(0));
         let value = s.get("t/load/2").0.unwrap();
         assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
     }
@@ -656,7 +690,7 @@ mod tests {
     fn a_live_vm_restamps_every_tick_and_rejoins_if_dropped() {
         let (s, b) = board(2, 3);
         let mut vm = LocalLoad::new(2);
-        b.acquire(&s, &mut vm, 100, |_| Some(0));
+        b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         for now in 101..120 {
             b.publish(&s, &mut vm, now);
             assert_eq!(seen(&s, &b, now), [1, 0]);
@@ -711,7 +745,7 @@ mod tests {
         s.raw_set("t/load/4", vec![0xff; 13]);
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
         let mut vm = LocalLoad::new(4);
-        let (r, _) = b.acquire(&s, &mut vm, 100, |_| Some(0));
+        let (r, _) = b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         assert_eq!(r, Some(0));
         assert_eq!(seen(&s, &b, 100), [1, 0, 0, 0]);
         // A board of another dp_size under the same key is garbage too.
@@ -727,13 +761,13 @@ mod tests {
             // Another worker takes rank 0 five times meanwhile.
             let mut other = LocalLoad::new(2);
             for _ in 0..5 {
-                rival_board.acquire(store, &mut other, 100, |_| Some(0));
+                rival_board.acquire(store, &mut other, 100, 1, |_| Some(0));
             }
         }));
         s.lose_races.set(1);
         let mut vm = LocalLoad::new(2);
         let mut seen_zero = Vec::new();
-        let (r, ev) = b.acquire(&s, &mut vm, 100, |st| {
+        let (r, ev) = b.acquire(&s, &mut vm, 100, 1, |st| {
             seen_zero.push(st.inflight(0));
             Some(if st.inflight(0) <= st.inflight(1) {
                 0
@@ -748,11 +782,38 @@ mod tests {
     }
 
     #[test]
+    fn recent_work_adds_up_per_rank_and_decays() {
+        let (s, b) = board(2, 3);
+        let mut vm = LocalLoad::new(2);
+        b.acquire(&s, &mut vm, 100, 80, |_| Some(1));
+        b.acquire(&s, &mut vm, 100, 16, |_| Some(1));
+        b.release(&s, &mut vm, 100, 1);
+        b.release(&s, &mut vm, 100, 1);
+        // Ended requests still count as recent work; the shared board does not carry it.
+        let st = b.read(&s, &vm, 100);
+        assert_eq!((st.recent(0), st.recent(1), st.inflight(1)), (0, 96, 0));
+        assert_eq!(seen(&s, &b, 100), [0, 0]);
+        // The chooser sees it too.
+        let mut saw = 0;
+        b.acquire(&s, &mut vm, 100, 1, |st| {
+            saw = st.recent(1);
+            Some(0)
+        });
+        assert_eq!(saw, 96);
+        vm.decay();
+        assert_eq!(b.read(&s, &vm, 101).recent(1), 84);
+        for _ in 0..60 {
+            vm.decay();
+        }
+        assert!(b.read(&s, &vm, 161).recent(1) < 8);
+    }
+
+    #[test]
     fn columns_are_bounded() {
         let (s, b) = board(1, 3);
         for _ in 0..(MAX_COLUMNS + 20) {
             let mut vm = LocalLoad::new(1);
-            b.acquire(&s, &mut vm, 100, |_| Some(0));
+            b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         }
         let value = s.get("t/load/1").0.unwrap();
         assert_eq!(Board::decode(&value, 1).unwrap().columns.len(), MAX_COLUMNS);

@@ -256,9 +256,9 @@ impl Runtime {
         if !self.cfg.assign.tracks_load() {
             return;
         }
-        let (view, events) = self
-            .board
-            .publish(&SharedData, &mut self.local.borrow_mut(), now);
+        let mut local = self.local.borrow_mut();
+        local.decay();
+        let (view, events) = self.board.publish(&SharedData, &mut local, now);
         self.counters.add_board_events(events);
         self.gauges.set(&view, now);
     }
@@ -714,19 +714,23 @@ impl Filter {
                 // No key: the prompt's anchor stands for one, so every replica gives the
                 // conversation the same home.
                 let anchor = self.prefix_anchor();
+                let blocks = self.prompt_blocks();
                 let now = rt.clock.now();
                 if rt.cfg.assign.tracks_load() {
                     let mut placement = None;
-                    let (rank, events) =
-                        rt.board
-                            .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
-                                let p =
-                                    place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
-                                        self.place(st, None, anchor)
-                                    });
-                                placement = Some(p);
-                                placed_rank(p.placed)
+                    let (rank, events) = rt.board.acquire(
+                        &SharedData,
+                        &mut rt.local.borrow_mut(),
+                        now,
+                        blocks,
+                        |st| {
+                            let p = place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
+                                self.place(st, None, anchor)
                             });
+                            placement = Some(p);
+                            placed_rank(p.placed)
+                        },
+                    );
                     rt.counters.add_board_events(events);
                     rt.counters
                         .add_prefix_choice(placement.and_then(|p| p.prefix));
@@ -781,6 +785,7 @@ impl Filter {
                 &SharedData,
                 &mut rt.local.borrow_mut(),
                 rt.clock.now(),
+                self.prompt_blocks(),
                 |_| Some(rank),
             );
             rt.counters.add_board_events(events);
@@ -806,16 +811,17 @@ impl Filter {
     ) {
         let rt = self.rt.clone();
         let now = rt.clock.now();
+        let blocks = self.prompt_blocks();
         let mut placement: Option<Placement> = None;
-        let (rank, events) = rt
-            .board
-            .acquire(&SharedData, &mut rt.local.borrow_mut(), now, |st| {
-                let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
-                    self.place(st, Some(hash), None)
+        let (rank, events) =
+            rt.board
+                .acquire(&SharedData, &mut rt.local.borrow_mut(), now, blocks, |st| {
+                    let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
+                        self.place(st, Some(hash), None)
+                    });
+                    placement = Some(p);
+                    placed_rank(p.placed)
                 });
-                placement = Some(p);
-                placed_rank(p.placed)
-            });
         rt.counters.add_board_events(events);
         rt.counters
             .add_prefix_choice(placement.and_then(|p| p.prefix));
@@ -867,6 +873,15 @@ impl Filter {
             );
         }
         Some(state.matched)
+    }
+
+    /// The request's prompt size in blocks of `prefix.block_bytes` (its body's size; 1 when the
+    /// body was not read): the work it adds to a rank's recent load.
+    fn prompt_blocks(&self) -> u32 {
+        let block = self.rt.cfg.prefix.block_bytes.max(1) as usize;
+        u32::try_from(self.body_size / block)
+            .unwrap_or(u32::MAX)
+            .max(1)
     }
 
     /// The anchor of this request's prompt (see `PrefixIndex::anchor`), once it was looked up.
