@@ -350,9 +350,12 @@ fn index_stays_at_its_bound() {
         "prefix_index_bound",
         StackOptions::new(prefix_config(json!({
             "assign": { "mode": "hash" },
+            // home_blocks 0: a one-block match must win over the request's home for the hit
+            // below to show that the entry is still indexed.
             "prefix": {
                 "block_bytes": 64,
                 "max_blocks": 1,
+                "home_blocks": 0,
                 "table": { "buckets": 4, "ways": 2 },
             },
         }))),
