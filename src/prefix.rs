@@ -2467,7 +2467,7 @@ mod tests {
         assert_eq!(idx.longest_match(&s, &last, 1000, 4).rank, Some(3));
     }
 
-    /// Issue 6's bound, with real prompts as the filter sees them: 100,000 distinct chat bodies
+    /// The index's bound, with real prompts as the filter sees them: 100,000 distinct chat bodies
     /// (hashed by the walker, looked up, recorded under a rank, as the host does) leave the
     /// index at `buckets × ways × 16` bytes, and the newest prompts are still found.
     #[test]

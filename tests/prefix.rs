@@ -1,4 +1,4 @@
-//! End-to-end scenarios of prefix placement (issue 6, `prefix.enabled`): the compiled filter in
+//! End-to-end scenarios of prefix placement (`prefix.enabled`): the compiled filter in
 //! a real Envoy (2 workers) in front of 4 mock ranks. Requests without a routing key that share a
 //! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
 //! a shared prefix yields to an idler rank while conversations stay on theirs;
