@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 
 use crate::config::Config;
+use crate::failure::{classify, Answer};
 use crate::json_scan::{scan_top_level, ScanError, Value};
 use crate::prefix::{scan_prompt, Api, Chain};
 
@@ -148,9 +149,9 @@ impl ResponseFacts {
         f
     }
 
-    /// A 5xx (the rank's own or Envoy's for reset / connect failure / timeout) or no status.
-    pub fn failed(&self) -> bool {
-        self.status >= 500 || self.status == 0
+    /// A 2xx: the rank served the request (see `failure::classify`).
+    pub fn served(&self) -> bool {
+        classify(self.status, None) == Answer::Served
     }
 }
 
@@ -468,9 +469,9 @@ mod tests {
             (ok.status, ok.reported_rank, ok.echo_in_place),
             (200, Some(2), true)
         );
-        assert!(!ok.failed());
+        assert!(ok.served());
         let failed = collect(&[(":status", "503")]);
-        assert!(failed.failed());
+        assert!(!failed.served());
         assert_eq!(failed.reported_rank, None);
         let out_of_range = collect(&[(":status", "200"), ("x-dp-rank", "9")]);
         assert_eq!(
@@ -479,7 +480,7 @@ mod tests {
         );
         let twice = collect(&[(":status", "200"), ("x-dp-rank", "1"), ("x-dp-rank", "1")]);
         assert_eq!((twice.reported_rank, twice.echo_in_place), (None, false));
-        assert!(collect(&[]).failed());
+        assert!(!collect(&[]).served());
 
         let renamed = Config::from_json(br#"{"dp_size":4,"echo_header":"x-served"}"#).unwrap();
         let f = ResponseFacts::collect(&renamed, [(&b"x-dp-rank"[..], &b"1"[..])]);

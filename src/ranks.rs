@@ -374,9 +374,8 @@ impl RankBoard {
         mut choose: impl FnMut(&RankStates) -> Option<u32>,
     ) -> (Option<u32>, BoardEvents) {
         let mut chosen = None;
-        let recent = local.recent.clone();
-        let events = self.publish_with(store, local, now, |board, id, counts| {
-            chosen = choose(&board.view(now, id, Some(counts)).with_recent(&recent));
+        let events = self.publish_with(store, local, now, |board, id, recent, counts| {
+            chosen = choose(&board.view(now, id, Some(counts)).with_recent(recent));
             match chosen.and_then(|r| counts.get_mut(r as usize)) {
                 Some(n) => {
                     *n = n.saturating_add(1);
@@ -399,7 +398,7 @@ impl RankBoard {
         now: u32,
         rank: u32,
     ) -> BoardEvents {
-        self.publish_with(store, local, now, |_, _, counts| {
+        self.publish_with(store, local, now, |_, _, _, counts| {
             match counts.get_mut(rank as usize) {
                 Some(n) if *n > 0 => {
                     *n -= 1;
@@ -423,7 +422,7 @@ impl RankBoard {
         }
         local.dirty = true;
         let mut view = None;
-        let events = self.publish_with(store, local, now, |board, id, counts| {
+        let events = self.publish_with(store, local, now, |board, id, _, counts| {
             view = Some(board.view(now, id, Some(counts)));
             true
         });
@@ -431,15 +430,15 @@ impl RankBoard {
         (view, events)
     }
 
-    /// Writes this VM's column after `change` (given the board as read, the column's id and a
-    /// copy of the counts to change; `false`: nothing to do, unless an earlier change is still
+    /// Writes this VM's column after `change` (given the board as read, the column's id, the
+    /// VM's recent work and a copy of the counts to change; `false`: nothing to do, unless an earlier change is still
     /// unpublished). The counts in memory take the change whether or not a write succeeded.
     fn publish_with(
         &self,
         store: &dyn Store,
         local: &mut LocalLoad,
         now: u32,
-        mut change: impl FnMut(&Board, Option<u32>, &mut Vec<u32>) -> bool,
+        mut change: impl FnMut(&Board, Option<u32>, &[u32], &mut Vec<u32>) -> bool,
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
         let mut changed = None;
@@ -447,11 +446,10 @@ impl RankBoard {
             let (value, cas) = store.get(&self.key);
             let mut board = self.decode(value.as_deref(), now);
             let mut counts = local.inflight.clone();
-            let changes = change(&board, local.id, &mut counts);
+            let changes = change(&board, local.id, &local.recent, &mut counts);
             if !changes && !local.dirty {
                 return events;
             }
-            changed = changes.then(|| counts.clone());
             // A VM keeps its id for life, even when another VM dropped its column meanwhile
             // (its ticks stalled past the lease): the write puts the column back.
             let id = match local.id {
@@ -459,18 +457,21 @@ impl RankBoard {
                 None => board.take_id(),
             };
             board.put_column(id, &counts, now);
-            match store.set(&self.key, &board.encode(), cas) {
-                Ok(()) => {
-                    local.in_board = counts.iter().any(|&n| n > 0);
-                    local.inflight = counts;
-                    local.id = Some(id);
-                    local.dirty = false;
-                    return events;
-                }
+            let written = store.set(&self.key, &board.encode(), cas);
+            if written.is_ok() {
+                local.in_board = counts.iter().any(|&n| n > 0);
+                local.inflight = counts;
+                local.id = Some(id);
+                local.dirty = false;
+                return events;
+            }
+            // Kept for the memory if every retry loses.
+            changed = changes.then_some(counts);
+            match written {
                 Err(StoreError::CasMismatch) if attempt < self.cas_retries => {
                     events.cas_retries += 1
                 }
-                Err(_) => break,
+                _ => break,
             }
         }
         events.cas_exhausted += 1;

@@ -71,5 +71,5 @@ fuzz_target!(|data: &[u8]| {
     if let Some(r) = response.reported_rank {
         assert!(r < cfg.dp_size);
     }
-    let _ = response.failed();
+    let _ = response.served();
 });

@@ -252,10 +252,10 @@ impl Runtime {
     /// The tick's load work: publishes this VM's counts (re-stamping its column, or removing it
     /// when idle) and sets the gauges from the board.
     fn tick(&self) {
-        let now = self.clock.now();
         if !self.cfg.assign.tracks_load() {
             return;
         }
+        let now = self.clock.now();
         let mut local = self.local.borrow_mut();
         local.decay();
         let (view, events) = self.board.publish(&SharedData, &mut local, now);
@@ -568,7 +568,7 @@ impl HttpContext for Filter {
             Routed::Learn { hash } => {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
-                if classify(facts.status, None) == Answer::Served {
+                if facts.served() {
                     self.learn(hash, served);
                     if let Some(rank) = served {
                         self.record_prefix(rank);
@@ -579,7 +579,7 @@ impl HttpContext for Filter {
             Routed::Balanced if echo_wanted || prefix_pending => {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
-                if let (Answer::Served, Some(rank)) = (classify(facts.status, None), served) {
+                if let (true, Some(rank)) = (facts.served(), served) {
                     self.record_prefix(rank);
                 }
                 (served, facts.echo_in_place)
