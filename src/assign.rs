@@ -87,17 +87,21 @@ pub fn choose_hash(
     best.or(top).map(|(_, r)| r)
 }
 
-/// The less loaded of the two highest-weighted usable ranks that are not full under `bound`
-/// (the top one on a tie): "power of two choices" over the rendezvous order. Every replica
-/// considers the same two ranks for a key, and with similar load views picks the same one; the
-/// second choice keeps one unlucky key's rank from being the hottest. Falls back like
-/// [`choose_hash`] when fewer than two ranks qualify.
+/// The home of `key`: the highest-weighted usable rank that is not full under `bound`, unless
+/// the second-highest was given clearly less work lately — so little that it would still have
+/// less after taking this request (`recent(second) + blocks < recent(first)`): "power of two
+/// choices" over the rendezvous order, with a margin. Every replica considers the same two
+/// ranks for a key; the margin makes them pick the same one unless their views of the recent
+/// work differ by more than a request's size, while the second choice keeps an unlucky rank
+/// (one given the long conversations) from running hot. Falls back like [`choose_hash`] when
+/// fewer than two ranks qualify.
 pub fn choose_hash_of_two(
     states: &RankStates,
     now: u32,
     seed: u64,
     key: u64,
     bound: Bound,
+    blocks: u32,
 ) -> Option<u32> {
     let (total, usable) = states.usable_load(now);
     let cap = bound.capacity(total, usable);
@@ -113,16 +117,16 @@ pub fn choose_hash_of_two(
             two[1] = Some((w, rank));
         }
     }
-    // Fewer in flight, then less recent work (prompt blocks this VM sent there lately): on a
-    // quiet cluster the ranks are nearly always tied in flight, and a rank that was just given
-    // long sessions keeps getting their next turns.
-    let load = |r: u32| (states.inflight(r), states.recent(r));
     match two {
-        [Some((_, first)), Some((_, second))] => Some(if load(second) < load(first) {
-            second
-        } else {
-            first
-        }),
+        [Some((_, first)), Some((_, second))] => {
+            let first_work = u64::from(states.recent(first));
+            let second_work = u64::from(states.recent(second)) + u64::from(blocks);
+            Some(if second_work < first_work {
+                second
+            } else {
+                first
+            })
+        }
         _ => choose_hash(states, now, seed, key, bound),
     }
 }
@@ -344,7 +348,7 @@ mod tests {
     }
 
     #[test]
-    fn two_choices_take_the_idler_of_the_top_two() {
+    fn two_choices_take_the_second_only_when_clearly_idler() {
         let b = Bound {
             factor: 100.0,
             floor: 100,
@@ -353,31 +357,45 @@ mod tests {
         let mut order: Vec<u32> = (0..4).collect();
         order.sort_by_key(|&r| std::cmp::Reverse(weight(7, 42, r)));
         let (first, second) = (order[0], order[1]);
+        let pick = |st: &RankStates, blocks: u32| choose_hash_of_two(st, 0, 7, 42, b, blocks);
         // Idle: the top of the rendezvous order, as choose_hash.
-        assert_eq!(choose_hash_of_two(&idle, 0, 7, 42, b), Some(first));
+        assert_eq!(pick(&idle, 1), Some(first));
         assert_eq!(choose_hash(&idle, 0, 7, 42, b), Some(first));
-        // The top one busier: the second.
+        // The top one was given more work lately, but the second would have more after taking
+        // this request: the top stays (replicas with slightly different views agree).
         let mut st = idle.clone();
-        st.ranks[first as usize].inflight = 2;
-        st.ranks[second as usize].inflight = 1;
-        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(second));
-        // Tied in flight: less recent work wins.
-        st.ranks[second as usize].inflight = 2;
         st.ranks[first as usize].recent = 90;
         st.ranks[second as usize].recent = 10;
-        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(second));
-        st.ranks[first as usize].recent = 0;
-        st.ranks[second as usize].recent = 0;
-        // A tie stays on top; the others' load does not matter.
-        st.ranks[order[2] as usize].inflight = 0;
-        assert_eq!(choose_hash_of_two(&st, 0, 7, 42, b), Some(first));
+        assert_eq!(pick(&st, 80), Some(first));
+        assert_eq!(pick(&st, 100), Some(first));
+        // Clearly less: the second.
+        assert_eq!(pick(&st, 79), Some(second));
+        // Requests in flight do not decide between the two (recent work counts them already)…
+        st.ranks[second as usize].inflight = 3;
+        assert_eq!(pick(&st, 1), Some(second));
+        // …but a rank full under the bound is not a choice: the next in the order is.
+        st.ranks[order[2] as usize].recent = 1000;
+        st.ranks[order[3] as usize].recent = 1000;
+        let tight = Bound {
+            factor: 1.0,
+            floor: 1,
+        };
+        assert_eq!(
+            choose_hash_of_two(&st, 0, 7, 42, tight, 1),
+            Some(first),
+            "the second is full and the third was given more work: the top stays"
+        );
+        // The others' work does not matter.
+        st.ranks[second as usize].inflight = 0;
+        st.ranks[order[2] as usize].recent = 0;
+        assert_eq!(pick(&st, 1), Some(second));
         // One usable rank: that one.
         let mut one = idle.clone();
         for r in &mut one.ranks {
             r.down_until = 10;
         }
         one.ranks[3].down_until = 0;
-        assert_eq!(choose_hash_of_two(&one, 0, 7, 42, b), Some(3));
+        assert_eq!(pick(&one, 1), Some(3));
     }
 
     #[test]

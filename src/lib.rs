@@ -1,7 +1,8 @@
 //! dp-affinity: an Envoy HTTP filter (proxy-wasm) that routes LLM inference requests to
 //! data-parallel ranks with prefix-cache affinity.
 //!
-//! The routing core (`config`, `extract`, `json_scan`, `decide`, `table`, `hash`, `metrics`) is
+//! The routing core (`config`, `extract`, `json_scan`, `decide`, `placement`, `table`, `hash`,
+//! `metrics`) is
 //! plain Rust, tested natively. Only `host` touches the proxy-wasm SDK, and it is compiled for the
 //! wasm target alone.
 
@@ -13,6 +14,7 @@ pub mod failure;
 pub mod hash;
 pub mod json_scan;
 pub mod metrics;
+pub mod placement;
 pub mod prefix;
 pub mod ranks;
 pub mod table;

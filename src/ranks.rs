@@ -17,10 +17,16 @@
 //! So after any fault the counts are back to the truth within `LEASE_SECONDS + 1` seconds, with
 //! nothing to reset by hand.
 //!
-//! Value layout (little endian), `v1`:
-//! - header, 12 bytes: `b"DPB1" | next_id: u32 | columns: u16 | dp_size: u16`;
+//! Each column also carries the VM's *recent work* per rank: the prompt blocks it sent there
+//! lately, decayed every tick. Summed like the counts, it is the Envoy's (not one worker's) view
+//! of how much work each rank was given, which keeps every worker — and replicas seeing similar
+//! traffic — breaking ties between ranks the same way.
+//!
+//! Value layout (little endian), `v2`:
+//! - header, 12 bytes: `b"DPB2" | next_id: u32 | columns: u16 | dp_size: u16`;
 //! - per rank, 12 bytes: `down_until: u32 | strike_since: u32 | strikes: u32` (unix seconds);
-//! - per column, `8 + 4 × dp_size` bytes: `id: u32 | stamp: u32 | inflight: u32 × dp_size`.
+//! - per column, `8 + 8 × dp_size` bytes: `id: u32 | stamp: u32 | inflight: u32 × dp_size |
+//!   recent: u32 × dp_size`.
 //!
 //! A value that does not decode (garbage, another `dp_size`) reads as an idle board and is
 //! replaced on the next write: corruption costs a few seconds of load view, never a panic.
@@ -36,7 +42,7 @@ pub const LEASE_SECONDS: u32 = 5;
 /// goes. Envoy runs one VM per worker, so this bounds the value to a few KiB whatever happens.
 pub const MAX_COLUMNS: usize = 256;
 
-const MAGIC: &[u8; 4] = b"DPB1";
+const MAGIC: &[u8; 4] = b"DPB2";
 const HEADER: usize = 12;
 const RANK_RECORD: usize = 12;
 
@@ -47,8 +53,9 @@ pub struct RankLoad {
     pub inflight: u32,
     /// Cooling down until (unix seconds): not usable before.
     pub down_until: u32,
-    /// Prompt blocks this VM sent to the rank lately, decayed by 1/8 a second (half-life ~5 s):
-    /// how much work it gave the rank, including requests that already ended.
+    /// Prompt blocks sent to the rank lately by every live column (this Envoy's VMs), decayed
+    /// by 1/8 a second (half-life ~5 s): how much work the rank was given, including requests
+    /// that already ended.
     pub recent: u32,
 }
 
@@ -81,16 +88,9 @@ impl RankStates {
         self.ranks.get(rank as usize).map_or(0, |r| r.inflight)
     }
 
-    /// Prompt blocks this VM sent to `rank` lately (see [`RankLoad::recent`]).
+    /// Prompt blocks sent to `rank` lately (see [`RankLoad::recent`]).
     pub fn recent(&self, rank: u32) -> u32 {
         self.ranks.get(rank as usize).map_or(0, |r| r.recent)
-    }
-
-    fn with_recent(mut self, recent: &[u32]) -> RankStates {
-        for (r, n) in self.ranks.iter_mut().zip(recent) {
-            r.recent = *n;
-        }
-        self
     }
 }
 
@@ -102,8 +102,7 @@ pub struct LocalLoad {
     inflight: Vec<u32>,
     /// The counts changed since they were last published.
     dirty: bool,
-    /// Prompt blocks sent to each rank lately, decayed every tick (never published: a view of
-    /// this VM's own recent work).
+    /// Prompt blocks sent to each rank lately, decayed every tick, published with the counts.
     recent: Vec<u32>,
     /// The last successful write left a column of ours on the board (it had counts).
     in_board: bool,
@@ -125,15 +124,19 @@ impl LocalLoad {
         self.inflight.get(rank as usize).copied().unwrap_or(0)
     }
 
-    /// Ages the recent work by one tick (× 7/8).
+    /// Ages the recent work by one tick (× 7/8, rounded down so it reaches zero).
     pub fn decay(&mut self) {
         for n in &mut self.recent {
-            *n -= *n / 8;
+            if *n > 0 {
+                *n -= (*n).div_ceil(8);
+                self.dirty = true;
+            }
         }
     }
 
+    /// Nothing in flight and no recent work: nothing to publish.
     fn idle(&self) -> bool {
-        self.inflight.iter().all(|&n| n == 0)
+        self.inflight.iter().all(|&n| n == 0) && self.recent.iter().all(|&n| n == 0)
     }
 }
 
@@ -156,6 +159,7 @@ struct Column {
     id: u32,
     stamp: u32,
     inflight: Vec<u32>,
+    recent: Vec<u32>,
 }
 
 /// The decoded value of the board key.
@@ -191,7 +195,7 @@ impl Board {
         }
         let next_id = u32_at(b, 4)?;
         let columns = usize::from(u16_at(b, 8)?);
-        let column_bytes = 8 + 4 * dp_size;
+        let column_bytes = 8 + 8 * dp_size;
         if b.len() != HEADER + RANK_RECORD * dp_size + column_bytes * columns {
             return None;
         }
@@ -215,6 +219,9 @@ impl Board {
                     inflight: (0..dp_size)
                         .map(|r| u32_at(b, at + 8 + 4 * r))
                         .collect::<Option<Vec<_>>>()?,
+                    recent: (0..dp_size)
+                        .map(|r| u32_at(b, at + 8 + 4 * (dp_size + r)))
+                        .collect::<Option<Vec<_>>>()?,
                 })
             })
             .collect::<Option<Vec<_>>>()?;
@@ -228,7 +235,7 @@ impl Board {
     fn encode(&self) -> Vec<u8> {
         let dp_size = self.health.len();
         let mut out = Vec::with_capacity(
-            HEADER + RANK_RECORD * dp_size + (8 + 4 * dp_size) * self.columns.len(),
+            HEADER + RANK_RECORD * dp_size + (8 + 8 * dp_size) * self.columns.len(),
         );
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.next_id.to_le_bytes());
@@ -243,7 +250,7 @@ impl Board {
         for c in &self.columns {
             out.extend_from_slice(&c.id.to_le_bytes());
             out.extend_from_slice(&c.stamp.to_le_bytes());
-            for n in &c.inflight {
+            for n in c.inflight.iter().chain(&c.recent) {
                 out.extend_from_slice(&n.to_le_bytes());
             }
         }
@@ -254,8 +261,9 @@ impl Board {
         column.stamp.saturating_add(LEASE_SECONDS) >= now
     }
 
-    /// The assigners' view: live columns other than `own`, plus `local` in its place.
-    fn view(&self, now: u32, own: Option<u32>, local: Option<&[u32]>) -> RankStates {
+    /// The assigners' view: live columns other than `own`, plus `local` (its counts and recent
+    /// work) in its place.
+    fn view(&self, now: u32, own: Option<u32>, local: Option<(&[u32], &[u32])>) -> RankStates {
         let mut ranks: Vec<RankLoad> = self
             .health
             .iter()
@@ -269,22 +277,30 @@ impl Board {
             .columns
             .iter()
             .filter(|c| Board::live(c, now) && (local.is_none() || Some(c.id) != own));
-        for c in others {
-            for (r, n) in ranks.iter_mut().zip(&c.inflight) {
+        let (own_counts, own_recent) = local.unwrap_or((&[], &[]));
+        let counts = others
+            .clone()
+            .map(|c| c.inflight.as_slice())
+            .chain([own_counts]);
+        for column in counts {
+            for (r, n) in ranks.iter_mut().zip(column) {
                 r.inflight = r.inflight.saturating_add(*n);
             }
         }
-        for (r, n) in ranks.iter_mut().zip(local.unwrap_or(&[])) {
-            r.inflight = r.inflight.saturating_add(*n);
+        let recent = others.map(|c| c.recent.as_slice()).chain([own_recent]);
+        for column in recent {
+            for (r, n) in ranks.iter_mut().zip(column) {
+                r.recent = r.recent.saturating_add(*n);
+            }
         }
         RankStates { ranks }
     }
 
-    /// Writes `counts` as column `id` (or removes it when idle), drops dead columns and, past
-    /// [`MAX_COLUMNS`], the stalest.
-    fn put_column(&mut self, id: u32, counts: &[u32], now: u32) {
+    /// Writes `counts` and `recent` as column `id` (or removes it when both are all zero),
+    /// drops dead columns and, past [`MAX_COLUMNS`], the stalest.
+    fn put_column(&mut self, id: u32, counts: &[u32], recent: &[u32], now: u32) {
         self.columns.retain(|c| c.id != id && Board::live(c, now));
-        if counts.iter().any(|&n| n > 0) {
+        if counts.iter().chain(recent).any(|&n| n > 0) {
             if self.columns.len() >= MAX_COLUMNS {
                 if let Some(stalest) =
                     (0..self.columns.len()).min_by_key(|&i| self.columns[i].stamp)
@@ -296,6 +312,7 @@ impl Board {
                 id,
                 stamp: now,
                 inflight: counts.to_vec(),
+                recent: recent.to_vec(),
             });
         }
     }
@@ -355,9 +372,11 @@ impl RankBoard {
     /// memory in place of its column (they may be newer than what it last published).
     pub fn read(&self, store: &dyn Store, local: &LocalLoad, now: u32) -> RankStates {
         let (value, _) = store.get(&self.key);
-        self.decode(value.as_deref(), now)
-            .view(now, local.id, Some(&local.inflight))
-            .with_recent(&local.recent)
+        self.decode(value.as_deref(), now).view(
+            now,
+            local.id,
+            Some((&local.inflight, &local.recent)),
+        )
     }
 
     /// Reads the state, lets `choose` pick a rank from it, and counts one more request in flight
@@ -374,19 +393,20 @@ impl RankBoard {
         mut choose: impl FnMut(&RankStates) -> Option<u32>,
     ) -> (Option<u32>, BoardEvents) {
         let mut chosen = None;
-        let events = self.publish_with(store, local, now, |board, id, recent, counts| {
-            chosen = choose(&board.view(now, id, Some(counts)).with_recent(recent));
-            match chosen.and_then(|r| counts.get_mut(r as usize)) {
-                Some(n) => {
+        let events = self.publish_with(store, local, now, |board, id, counts, recent| {
+            chosen = choose(&board.view(now, id, Some((counts, recent))));
+            let Some(r) = chosen.map(|r| r as usize) else {
+                return false;
+            };
+            match (counts.get_mut(r), recent.get_mut(r)) {
+                (Some(n), Some(work)) => {
                     *n = n.saturating_add(1);
+                    *work = work.saturating_add(blocks);
                     true
                 }
-                None => false,
+                _ => false,
             }
         });
-        if let Some(n) = chosen.and_then(|r| local.recent.get_mut(r as usize)) {
-            *n = n.saturating_add(blocks);
-        }
         (chosen, events)
     }
 
@@ -398,7 +418,7 @@ impl RankBoard {
         now: u32,
         rank: u32,
     ) -> BoardEvents {
-        self.publish_with(store, local, now, |_, _, _, counts| {
+        self.publish_with(store, local, now, |_, _, counts, _| {
             match counts.get_mut(rank as usize) {
                 Some(n) if *n > 0 => {
                     *n -= 1;
@@ -422,23 +442,24 @@ impl RankBoard {
         }
         local.dirty = true;
         let mut view = None;
-        let events = self.publish_with(store, local, now, |board, id, _, counts| {
-            view = Some(board.view(now, id, Some(counts)));
+        let events = self.publish_with(store, local, now, |board, id, counts, recent| {
+            view = Some(board.view(now, id, Some((counts, recent))));
             true
         });
         let view = view.unwrap_or_else(|| self.read(store, local, now));
         (view, events)
     }
 
-    /// Writes this VM's column after `change` (given the board as read, the column's id, the
-    /// VM's recent work and a copy of the counts to change; `false`: nothing to do, unless an earlier change is still
-    /// unpublished). The counts in memory take the change whether or not a write succeeded.
+    /// Writes this VM's column after `change` (given the board as read, the column's id, and
+    /// copies of the counts and the recent work to change; `false`: nothing to do, unless an
+    /// earlier change is still unpublished). Memory takes the change whether or not a write
+    /// succeeded.
     fn publish_with(
         &self,
         store: &dyn Store,
         local: &mut LocalLoad,
         now: u32,
-        mut change: impl FnMut(&Board, Option<u32>, &[u32], &mut Vec<u32>) -> bool,
+        mut change: impl FnMut(&Board, Option<u32>, &mut Vec<u32>, &mut Vec<u32>) -> bool,
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
         let mut changed = None;
@@ -446,7 +467,8 @@ impl RankBoard {
             let (value, cas) = store.get(&self.key);
             let mut board = self.decode(value.as_deref(), now);
             let mut counts = local.inflight.clone();
-            let changes = change(&board, local.id, &local.recent, &mut counts);
+            let mut recent = local.recent.clone();
+            let changes = change(&board, local.id, &mut counts, &mut recent);
             if !changes && !local.dirty {
                 return events;
             }
@@ -456,17 +478,18 @@ impl RankBoard {
                 Some(id) => id,
                 None => board.take_id(),
             };
-            board.put_column(id, &counts, now);
+            board.put_column(id, &counts, &recent, now);
             let written = store.set(&self.key, &board.encode(), cas);
             if written.is_ok() {
-                local.in_board = counts.iter().any(|&n| n > 0);
+                local.in_board = counts.iter().chain(&recent).any(|&n| n > 0);
                 local.inflight = counts;
+                local.recent = recent;
                 local.id = Some(id);
                 local.dirty = false;
                 return events;
             }
             // Kept for the memory if every retry loses.
-            changed = changes.then_some(counts);
+            changed = changes.then_some((counts, recent));
             match written {
                 Err(StoreError::CasMismatch) if attempt < self.cas_retries => {
                     events.cas_retries += 1
@@ -475,8 +498,9 @@ impl RankBoard {
             }
         }
         events.cas_exhausted += 1;
-        if let Some(counts) = changed {
+        if let Some((counts, recent)) = changed {
             local.inflight = counts;
+            local.recent = recent;
         }
         local.dirty = true;
         events
@@ -629,9 +653,16 @@ mod tests {
         assert_eq!(b.read(&s, &a, 100).inflight(0), 2);
         b.release(&s, &mut a, 101, 0);
         b.release(&s, &mut a, 101, 1);
-        // Idle: its last release removed the column; a tick then only reads.
-        let value = s.get("t/load/2").0.unwrap();
-        assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
+        let columns = |s: &MemStore| {
+            let value = s.get("t/load/2").0.unwrap();
+            Board::decode(&value, 2).unwrap().columns.len()
+        };
+        // Nothing in flight, but the recent work is still published until it has decayed.
+        assert_eq!(columns(&s), 2);
+        a.decay();
+        b.publish(&s, &mut a, 101);
+        // Idle: that tick removed the column; the next ones only read.
+        assert_eq!(columns(&s), 1);
         let cas = s.get("t/load/2").1;
         b.publish(&s, &mut a, 102);
         b.publish(&s, &mut a, 103);
@@ -790,10 +821,12 @@ mod tests {
         b.acquire(&s, &mut vm, 100, 16, |_| Some(1));
         b.release(&s, &mut vm, 100, 1);
         b.release(&s, &mut vm, 100, 1);
-        // Ended requests still count as recent work; the shared board does not carry it.
+        // Ended requests still count as recent work, and the board carries it to other VMs.
         let st = b.read(&s, &vm, 100);
         assert_eq!((st.recent(0), st.recent(1), st.inflight(1)), (0, 96, 0));
         assert_eq!(seen(&s, &b, 100), [0, 0]);
+        let other = LocalLoad::new(2);
+        assert_eq!(b.read(&s, &other, 100).recent(1), 96);
         // The chooser sees it too.
         let mut saw = 0;
         b.acquire(&s, &mut vm, 100, 1, |st| {
@@ -803,10 +836,16 @@ mod tests {
         assert_eq!(saw, 96);
         vm.decay();
         assert_eq!(b.read(&s, &vm, 101).recent(1), 84);
-        for _ in 0..60 {
+        b.release(&s, &mut vm, 101, 0);
+        assert_eq!(b.read(&s, &other, 101).recent(1), 84);
+        for t in 0..60 {
             vm.decay();
+            b.publish(&s, &mut vm, 102 + t);
         }
-        assert!(b.read(&s, &vm, 161).recent(1) < 8);
+        // Decayed to nothing, and the column is gone with it.
+        assert_eq!(b.read(&s, &other, 161).recent(1), 0);
+        assert_eq!(b.read(&s, &vm, 161).recent(1), 0);
+        assert!(!vm.in_board);
     }
 
     #[test]

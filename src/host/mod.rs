@@ -11,15 +11,13 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::assign::{
-    choose_hash, choose_hash_of_two, choose_least_inflight, choose_round_robin, Mode,
-};
 use crate::config::{Config, TargetMode};
-use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key, without_body};
-use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
+use crate::decide::{decide_body_with_prefix, decide_headers, resolve_key, without_body};
+use crate::decide::{Decision, HeaderStep, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
+use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Target};
 use crate::prefix::{Api, Chain, CountingStore, Match, PrefixIndex};
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -674,89 +672,12 @@ impl Filter {
                 }
                 // Looked up even when the pin will decide: recording then writes only what the
                 // index does not hold yet (usually nothing, for a conversation's next turn).
-                let matched = self.prefix_lookup();
-                if rt.cfg.assign.tracks_load() {
-                    self.place_key(hash, pinned, matched, from_body);
-                } else {
-                    let now = rt.clock.now();
-                    let p = place(&rt.cfg, now, pinned, matched.as_ref(), None, || None);
-                    rt.counters.add_prefix_choice(p.prefix);
-                    match p.placed {
-                        Placed::Pin(rank) => {
-                            rt.counters.add(Counter::AffinityHit, 1);
-                            self.route_to(rank, from_body);
-                            self.routed = Routed::Pinned { hash, rank };
-                        }
-                        Placed::Prefix { rank, .. } => {
-                            // The key follows its prompt: pinned at once, nothing to learn.
-                            rt.counters.add(Counter::AffinityMiss, 1);
-                            rt.counters.add_table_events(rt.table.pin(
-                                &SharedData,
-                                hash,
-                                rank,
-                                now,
-                            ));
-                            self.route_to(rank, from_body);
-                            self.routed = Routed::Pinned { hash, rank };
-                        }
-                        Placed::Assigned(_) => {
-                            // Envoy balances; the key and the chain are recorded from the answer.
-                            rt.counters.add(Counter::AffinityMiss, 1);
-                            self.routed = Routed::Learn { hash };
-                        }
-                    }
-                }
+                let key = KeyFacts { hash, pinned };
+                self.place(Some(key), from_body);
             }
             Decision::Fallback(reason) => {
                 rt.counters.add(fallback_counter(reason), 1);
-                self.routed = Routed::Balanced;
-                let matched = self.prefix_lookup();
-                // No key: the prompt's anchor stands for one, so every replica gives the
-                // conversation the same home.
-                let anchor = self.prefix_anchor();
-                let blocks = self.prompt_blocks();
-                let now = rt.clock.now();
-                if rt.cfg.assign.tracks_load() {
-                    let mut placement = None;
-                    let (rank, events) = rt.board.acquire(
-                        &SharedData,
-                        &mut rt.local.borrow_mut(),
-                        now,
-                        blocks,
-                        |st| {
-                            let p = place(&rt.cfg, now, None, matched.as_ref(), Some(st), || {
-                                self.place(st, None, anchor)
-                            });
-                            placement = Some(p);
-                            placed_rank(p.placed)
-                        },
-                    );
-                    rt.counters.add_board_events(events);
-                    rt.counters
-                        .add_prefix_choice(placement.and_then(|p| p.prefix));
-                    match rank {
-                        Some(rank) => {
-                            self.acquired = Some(rank);
-                            self.route_to(rank, from_body);
-                            self.routed = Routed::Direct {
-                                rank,
-                                chooser: Chooser::Filter,
-                            };
-                        }
-                        None => rt.counters.add(Counter::NoUsableRank, 1),
-                    }
-                } else {
-                    let p = place(&rt.cfg, now, None, matched.as_ref(), None, || None);
-                    rt.counters.add_prefix_choice(p.prefix);
-                    if let Placed::Prefix { rank, .. } = p.placed {
-                        self.route_to(rank, from_body);
-                        self.routed = Routed::Direct {
-                            rank,
-                            chooser: Chooser::Filter,
-                        };
-                    }
-                    // The chain is recorded from a 2xx answer.
-                }
+                self.place(None, from_body);
             }
             Decision::Reject(rejection) => {
                 rt.counters.add(Counter::InvalidRank, 1);
@@ -798,61 +719,70 @@ impl Filter {
         };
     }
 
-    /// Places a keyed request with the filter's own assigner: a pin stays while its rank is
-    /// usable and under the loose load bound; otherwise the key goes to the rank of its prompt's
-    /// prefix (`matched`) if that one is not full, else to its best non-full rank, and the pin
-    /// follows. The choice and the in-flight count are one atomic update.
-    fn place_key(
-        &mut self,
-        hash: u64,
-        pinned: Option<u32>,
-        matched: Option<Match>,
-        from_body: bool,
-    ) {
+    /// Places a request with a key or none: gathers the facts, lets `placement::plan` decide
+    /// (inside the rank board's atomic update when load is counted, so the choice and the
+    /// in-flight count agree) and carries the plan out.
+    fn place(&mut self, key: Option<KeyFacts>, from_body: bool) {
         let rt = self.rt.clone();
-        let now = rt.clock.now();
+        let matched = self.prefix_lookup();
+        let turn = rt.turn.get();
+        rt.turn.set(turn.wrapping_add(1));
+        let facts = Facts {
+            key,
+            matched,
+            // No key: the prompt's anchor stands for one, so every replica gives the
+            // conversation the same home.
+            anchor: self.prefix_anchor(),
+            turn,
+        };
         let blocks = self.prompt_blocks();
-        let mut placement: Option<Placement> = None;
-        let (rank, events) =
-            rt.board
-                .acquire(&SharedData, &mut rt.local.borrow_mut(), now, blocks, |st| {
-                    let p = place(&rt.cfg, now, pinned, matched.as_ref(), Some(st), || {
-                        self.place(st, Some(hash), None)
+        let now = rt.clock.now();
+        let plan = if rt.cfg.assign.tracks_load() {
+            let mut planned = None;
+            let (taken, events) =
+                rt.board
+                    .acquire(&SharedData, &mut rt.local.borrow_mut(), now, blocks, |st| {
+                        let p = plan(&rt.cfg, now, &facts, Some(st), blocks);
+                        planned = Some(p);
+                        p.target.rank()
                     });
-                    placement = Some(p);
-                    placed_rank(p.placed)
-                });
-        rt.counters.add_board_events(events);
-        rt.counters
-            .add_prefix_choice(placement.and_then(|p| p.prefix));
-        let Some(rank) = rank else {
-            // Nothing usable: let Envoy balance and learn.
-            rt.counters.add(Counter::NoUsableRank, 1);
-            self.routed = Routed::Learn { hash };
+            rt.counters.add_board_events(events);
+            self.acquired = taken;
+            planned
+        } else {
+            Some(plan(&rt.cfg, now, &facts, None, blocks))
+        };
+        let Some(plan) = plan else {
             return;
         };
-        self.acquired = Some(rank);
-        match placement.map(|p| p.placed) {
-            Some(Placed::Pin(_)) => rt.counters.add(Counter::AffinityHit, 1),
-            placed => {
-                let moved = pinned.is_some();
-                rt.counters.add(
-                    if moved {
-                        Counter::Moved
-                    } else {
-                        Counter::AffinityMiss
-                    },
-                    1,
-                );
-                if let Some(Placed::Assigned(_)) = placed {
-                    rt.counters.add(Counter::Assigned, 1);
-                }
-                rt.counters
-                    .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
-            }
+        rt.counters.add_prefix_choice(plan.prefix);
+        for counter in plan.counters.into_iter().flatten() {
+            rt.counters.add(counter, 1);
         }
-        self.route_to(rank, from_body);
-        self.routed = Routed::Pinned { hash, rank };
+        self.routed = match plan.target {
+            Target::Pinned {
+                hash,
+                rank,
+                write_pin,
+            } => {
+                if write_pin {
+                    rt.counters
+                        .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
+                }
+                self.route_to(rank, from_body);
+                Routed::Pinned { hash, rank }
+            }
+            Target::Direct { rank } => {
+                self.route_to(rank, from_body);
+                Routed::Direct {
+                    rank,
+                    chooser: Chooser::Filter,
+                }
+            }
+            // The key and the chain are learned and recorded from the answer.
+            Target::Learn { hash } => Routed::Learn { hash },
+            Target::Balanced => Routed::Balanced,
+        };
     }
 
     /// Searches the prefix index for this request's chain (if it has one) and keeps the result
@@ -946,25 +876,6 @@ impl Filter {
                 "[{}] rank {rank} failed; its prefix entries of this prompt forgotten",
                 self.id
             );
-        }
-    }
-
-    /// The configured assigner's choice over a snapshot of rank state.
-    fn place(&self, st: &RankStates, key: Option<u64>, anchor: Option<u64>) -> Option<u32> {
-        let a = &self.rt.cfg.assign;
-        let now = self.rt.clock.now();
-        let turn = self.rt.turn.get();
-        self.rt.turn.set(turn.wrapping_add(1));
-        match (a.mode, key) {
-            (Mode::Envoy, _) => None,
-            (Mode::Hash, Some(key)) => choose_hash(st, now, a.seed, key, a.new_key_bound),
-            (Mode::Hash, None) => match anchor {
-                Some(anchor) => choose_hash_of_two(st, now, a.seed, anchor, a.new_key_bound),
-                None => choose_least_inflight(st, now, turn),
-            },
-            (Mode::RoundRobin, _) => choose_round_robin(st, now, turn),
-            // Requests with neither key nor anchor in hash mode, and every placement in the others.
-            _ => choose_least_inflight(st, now, turn),
         }
     }
 
@@ -1112,14 +1023,6 @@ impl Filter {
                 self.id, rule.threshold, rule.window_seconds, rule.cooldown_seconds
             );
         }
-    }
-}
-
-/// The rank a placement sends the request to (`None`: Envoy balances).
-fn placed_rank(placed: Placed) -> Option<u32> {
-    match placed {
-        Placed::Pin(rank) | Placed::Prefix { rank, .. } => Some(rank),
-        Placed::Assigned(rank) => rank,
     }
 }
 

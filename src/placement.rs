@@ -1,0 +1,996 @@
+//! Where a request goes once no explicit rank or bootstrap room decided it: the key's pin, the
+//! prompt's prefix match weighed against the request's home, and the configured assigner.
+//!
+//! [`plan`] is the whole decision for such a request, a pure function of what the host gathered
+//! (the key and its pin, the index's answer, the prompt's anchor and size) and a snapshot of the
+//! rank state; it returns a [`Plan`] — where to route, whether to write or learn the key's pin,
+//! which counters to bump — that the host only carries out.
+
+use crate::assign::{
+    busier_than_least, choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin,
+    Mode,
+};
+use crate::config::Config;
+use crate::metrics::Counter;
+use crate::prefix::Match;
+use crate::ranks::RankStates;
+use crate::table;
+
+/// What the host knows about a request the plan places.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Facts {
+    /// The routing key, if the request has one.
+    pub key: Option<KeyFacts>,
+    /// The prefix index's answer for the request's prompt chain; `None`: no chain (prefix off,
+    /// not an LLM path, or the body was not read), so the prefix has no say.
+    pub matched: Option<Match>,
+    /// The prompt's anchor (`PrefixIndex::anchor`): stands for a key when there is none.
+    pub anchor: Option<u64>,
+    /// Rotates least-in-flight ties and round robin (a per-VM counter).
+    pub turn: u32,
+}
+
+/// A routing key's hash and the rank the affinity table pins it to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyFacts {
+    pub hash: u64,
+    pub pinned: Option<u32>,
+}
+
+/// Where the request goes and what the host remembers about it until the response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// To `rank`, with the key pinned there (`write_pin`: the pin must be written first).
+    Pinned {
+        hash: u64,
+        rank: u32,
+        write_pin: bool,
+    },
+    /// Envoy balances; the key's rank is learned from the response.
+    Learn { hash: u64 },
+    /// To `rank`, chosen by the filter, with no key to pin.
+    Direct { rank: u32 },
+    /// Envoy balances and there is nothing to learn.
+    Balanced,
+}
+
+impl Target {
+    /// The rank the filter routes to (`None`: Envoy balances).
+    pub fn rank(&self) -> Option<u32> {
+        match *self {
+            Target::Pinned { rank, .. } | Target::Direct { rank } => Some(rank),
+            Target::Learn { .. } | Target::Balanced => None,
+        }
+    }
+}
+
+/// The decision for one request, for the host to carry out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub target: Target,
+    /// What the prefix stage said, if it was consulted (counted by `Counters::add_prefix_choice`).
+    pub prefix: Option<PrefixChoice>,
+    /// Counters to add one to.
+    pub counters: [Option<Counter>; 2],
+}
+
+/// The whole placement of a request that has a key or none (explicit ranks and rooms are decided
+/// before): the pin, the prefix and the assigner in [`place`]'s order, then what follows for the
+/// key. `states`: a snapshot of the rank board when the filter counts load (`None` in `envoy`
+/// mode: Envoy balances whatever the pin and the prefix leave open). `blocks`: the request's
+/// prompt size, for the home's tie-break.
+pub fn plan(
+    cfg: &Config,
+    now: u32,
+    facts: &Facts,
+    states: Option<&RankStates>,
+    blocks: u32,
+) -> Plan {
+    let pinned = facts.key.and_then(|k| k.pinned);
+    let p = place(cfg, now, pinned, facts.matched.as_ref(), states, || {
+        states.and_then(|st| assign(cfg, st, now, facts, blocks))
+    });
+    let rank = placed_rank(p.placed);
+    let (target, counters) = match (facts.key, rank) {
+        (Some(key), Some(rank)) => {
+            let held = matches!(p.placed, Placed::Pin(_));
+            let outcome = if held {
+                Counter::AffinityHit
+            } else if key.pinned.is_some() {
+                Counter::Moved
+            } else {
+                Counter::AffinityMiss
+            };
+            let assigned = matches!(p.placed, Placed::Assigned(_)).then_some(Counter::Assigned);
+            let target = Target::Pinned {
+                hash: key.hash,
+                rank,
+                write_pin: !held,
+            };
+            (target, [Some(outcome), assigned])
+        }
+        // Envoy balances: a miss the response teaches, or (with load counted) no usable rank.
+        (Some(key), None) => (
+            Target::Learn { hash: key.hash },
+            [Some(unplaced(states, Counter::AffinityMiss)), None],
+        ),
+        (None, Some(rank)) => (Target::Direct { rank }, [None, None]),
+        (None, None) => (
+            Target::Balanced,
+            [states.map(|_| Counter::NoUsableRank), None],
+        ),
+    };
+    Plan {
+        target,
+        prefix: p.prefix,
+        counters,
+    }
+}
+
+/// The counter of a placement Envoy makes: with load counted every placement has a rank unless
+/// none is usable; without, `otherwise`.
+fn unplaced(states: Option<&RankStates>, otherwise: Counter) -> Counter {
+    match states {
+        Some(_) => Counter::NoUsableRank,
+        None => otherwise,
+    }
+}
+
+/// The configured assigner's choice (the request's *home*) over a snapshot of rank state: the
+/// rendezvous rank of the key, or of the prompt's anchor when there is no key, in `hash` mode;
+/// the least loaded or the next rank in the others. `None` in `envoy` mode or with no usable
+/// rank.
+pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u32) -> Option<u32> {
+    let a = &cfg.assign;
+    match (a.mode, facts.key.map(|k| k.hash).or(facts.anchor)) {
+        (Mode::Envoy, _) => None,
+        (Mode::Hash, Some(anchor)) => {
+            choose_hash_of_two(st, now, a.seed, anchor, a.new_key_bound, blocks)
+        }
+        (Mode::RoundRobin, _) => choose_round_robin(st, now, facts.turn),
+        // No key and no anchor in hash mode, and every placement in the others.
+        _ => choose_least_inflight(st, now, facts.turn),
+    }
+}
+
+/// What the prefix stage made of a request the explicit rank and the key's pin left open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixChoice {
+    /// Route to the rank holding the longest indexed prefix (`blocks` blocks of it).
+    Hit { rank: u32, blocks: usize },
+    /// No indexed prefix of at least `prefix.min_match_blocks` blocks: the next choice decides.
+    Miss,
+    /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound
+    /// (`assign.load_factor`, `assign.min_capacity`) or cooling down: the next choice decides.
+    SkippedFull { rank: u32, blocks: usize },
+    /// The match stops at a branched position (a prefix other prompts share, see `prefix`) and
+    /// `rank` has more than `prefix.shared_slack` requests in flight beyond the least loaded
+    /// usable rank: the next choice places the request by load.
+    Spread { rank: u32, blocks: usize },
+}
+
+/// The prefix stage on a lookup's result. `states`: the shared rank state when the filter counts
+/// requests in flight (every `assign.mode` but `envoy`); `None` in `envoy` mode, where there are
+/// no in-flight counts, so a match is never full (Envoy's balancer only sees the requests that
+/// reach it without a cluster header).
+///
+/// Which bound makes a rank full depends on the match's depth: from `prefix.sticky_blocks` on it
+/// is the looser bound of a pinned key (`assign.pinned_load_factor`), below it the one new keys
+/// get (`assign.load_factor`). The default `sticky_blocks` 1 gives every match the pinned bound:
+/// what tells a shared prefix from a conversation's own history is the branched flag below, and
+/// a deployment whose short prefixes are all shared can still raise it.
+///
+/// A match on a branched position is a prefix other prompts share, not this prompt's own
+/// history: any rank can compute it once and serve it from then on, so it keeps its rank (the
+/// least loaded of the ranks known to hold it) only while that rank is about as idle as the
+/// least loaded one (`prefix.shared_slack`). Without this, every prompt opening with a popular
+/// system prompt would go to the rank that saw it first, until that rank is full.
+pub fn prefix_choice(
+    cfg: &Config,
+    m: &Match,
+    states: Option<&RankStates>,
+    now: u32,
+) -> PrefixChoice {
+    prefix_choice_at(cfg, m, states, now, None)
+}
+
+/// [`prefix_choice`] weighed against the request's *home*: the rank the assigner gives it
+/// without the prefix (in `hash` mode the rendezvous rank of its key or anchor, the same on
+/// every replica). The match keeps its rank only when the prompt blocks it saves there,
+/// beyond what the home holds, outweigh the work already queued there beyond the home's:
+///
+/// `saved > prefix.load_blocks × max(0, in flight there − in flight at home) + prefix.home_blocks`
+///
+/// So a long conversation history (80 blocks) stays over a difference of a request or two, a
+/// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
+/// cluster new conversations spread by their home instead of piling onto the first rank that
+/// computed a popular prefix.
+pub fn prefix_choice_at(
+    cfg: &Config,
+    m: &Match,
+    states: Option<&RankStates>,
+    now: u32,
+    home: Option<u32>,
+) -> PrefixChoice {
+    let min = cfg.prefix.min_match_blocks.max(1) as usize;
+    let rank = match m.rank {
+        Some(rank) if m.blocks >= min && rank < cfg.dp_size => rank,
+        _ => return PrefixChoice::Miss,
+    };
+    let blocks = m.blocks;
+    // A shared prefix may be held by other ranks too: the least loaded of them stands for it.
+    let rank = match states {
+        Some(st) if m.branched => least_loaded_holder(st, now, rank, m.holders, cfg.dp_size),
+        _ => rank,
+    };
+    // At least `sticky_blocks` deep (every match, by default): it stays like a pin. Shallower: it
+    // yields like a new key.
+    let bound = if blocks >= cfg.prefix.sticky_blocks as usize {
+        cfg.assign.pinned_bound
+    } else {
+        cfg.assign.new_key_bound
+    };
+    match (states, home) {
+        (Some(st), _) if !keep_pin(st, now, rank, bound) => {
+            PrefixChoice::SkippedFull { rank, blocks }
+        }
+        (Some(st), Some(home)) if home != rank && !outweighs_home(cfg, m, st, rank, home) => {
+            PrefixChoice::Spread { rank, blocks }
+        }
+        (Some(st), None)
+            if m.branched && busier_than_least(st, now, rank, cfg.prefix.shared_slack) =>
+        {
+            PrefixChoice::Spread { rank, blocks }
+        }
+        _ => PrefixChoice::Hit { rank, blocks },
+    }
+}
+
+/// Whether the match on `rank` saves more prompt blocks than the extra work queued there costs,
+/// compared with going `home` (see [`prefix_choice_at`]).
+fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32) -> bool {
+    let blocks = m.blocks as u64;
+    // A shared prefix held at home too saves nothing by going elsewhere.
+    let home_holds =
+        m.branched && (m.rank == Some(home) || m.holders & table::holder_flag(home) != 0);
+    let saved = if home_holds { 0 } else { blocks };
+    // Only extra work counts against the match: a holder idler than the home gains nothing from
+    // it, or a replica that sees other loads would send the conversation elsewhere.
+    let queued = st.inflight(rank).saturating_sub(st.inflight(home));
+    // The bonus is for a home every replica computes alike and every turn returns to: the
+    // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
+    // one request to the next, so it earns none.
+    let bonus = match cfg.assign.mode {
+        Mode::Hash => cfg.prefix.home_blocks,
+        _ => 0,
+    };
+    let cost = u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(bonus);
+    saved > cost
+}
+
+/// Where a request goes once no explicit rank or room decided it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    /// The key's pin holds (usable and under `assign.pinned_load_factor` when load is counted).
+    Pin(u32),
+    /// The rank of the longest indexed prompt prefix.
+    Prefix { rank: u32, blocks: usize },
+    /// The assigner's choice; `None`: Envoy balances (`envoy` mode, or no usable rank).
+    Assigned(Option<u32>),
+}
+
+/// A placement, and what the prefix stage said if it was consulted (`None`: a pin decided first,
+/// or the request has no prompt chain).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub placed: Placed,
+    pub prefix: Option<PrefixChoice>,
+}
+
+/// The decision order below the explicit rank: the key's pin (`pinned`, from the affinity
+/// table), then the prefix match (`prefix`: the index lookup of this request's chain, `None`
+/// when it has none), then `assign` (the configured assigner; it returns `None` in `envoy` mode).
+/// `states` as in [`prefix_choice`]; with states, a pin is kept only while its rank is usable and
+/// under the pinned bound, else the key moves to the next choice.
+///
+/// Pure: the host calls it inside the rank board's atomic update (so the choice and the
+/// in-flight count agree), or directly in `envoy` mode.
+pub fn place(
+    cfg: &Config,
+    now: u32,
+    pinned: Option<u32>,
+    prefix: Option<&Match>,
+    states: Option<&RankStates>,
+    assign: impl FnOnce() -> Option<u32>,
+) -> Placement {
+    if let Some(rank) = pinned {
+        let kept = match states {
+            Some(st) => keep_pin(st, now, rank, cfg.assign.pinned_bound),
+            None => true,
+        };
+        if kept {
+            return Placement {
+                placed: Placed::Pin(rank),
+                prefix: None,
+            };
+        }
+    }
+    let Some(m) = prefix else {
+        return Placement {
+            placed: Placed::Assigned(assign()),
+            prefix: None,
+        };
+    };
+    // With load counted, the assigner's choice is the request's home, weighed against the
+    // match; without (`envoy` mode) the assigner only stands in when the prefix does not decide.
+    let (choice, placed) = match states {
+        Some(_) => {
+            let home = assign();
+            let choice = prefix_choice_at(cfg, m, states, now, home);
+            (choice, hit_or(choice, || home))
+        }
+        None => {
+            let choice = prefix_choice(cfg, m, None, now);
+            (choice, hit_or(choice, assign))
+        }
+    };
+    let choice = Some(choice);
+    Placement {
+        placed,
+        prefix: choice,
+    }
+}
+
+/// The prefix's rank on a hit, else what `otherwise` assigns.
+fn hit_or(choice: PrefixChoice, otherwise: impl FnOnce() -> Option<u32>) -> Placed {
+    match choice {
+        PrefixChoice::Hit { rank, blocks } => Placed::Prefix { rank, blocks },
+        _ => Placed::Assigned(otherwise()),
+    }
+}
+
+/// Among `rank` and the ranks flagged in `holders` (below `dp_size`), the usable one with the
+/// fewest requests in flight; `rank` wins ties, and stands if none is usable.
+fn least_loaded_holder(st: &RankStates, now: u32, rank: u32, holders: u16, dp_size: u32) -> u32 {
+    std::iter::once(rank)
+        .chain(table::holders(holders).filter(|&r| r < dp_size && r != rank))
+        .filter(|&r| st.usable(r, now))
+        .min_by_key(|&r| st.inflight(r))
+        .unwrap_or(rank)
+}
+
+/// The rank a placement routes to (`None`: Envoy balances).
+fn placed_rank(placed: Placed) -> Option<u32> {
+    match placed {
+        Placed::Pin(rank) | Placed::Prefix { rank, .. } => Some(rank),
+        Placed::Assigned(rank) => rank,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decide::{decide_body_with_prefix, Decision, Reason};
+    use crate::prefix::{Api, PrefixIndex};
+    use crate::ranks::RankLoad;
+    use crate::table::tests::MemStore;
+
+    fn cfg(extra: &str) -> Config {
+        Config::from_json(format!(r#"{{"dp_size":4{extra}}}"#).as_bytes()).unwrap()
+    }
+
+    const PREFIX_ON: &str = r#","prefix":{"enabled":true,"block_bytes":64}"#;
+
+    fn states(loads: &[(u32, u32)]) -> RankStates {
+        RankStates {
+            ranks: loads
+                .iter()
+                .map(|&(inflight, down_until)| RankLoad {
+                    inflight,
+                    down_until,
+                    recent: 0,
+                })
+                .collect(),
+        }
+    }
+
+    fn matched(blocks: usize, rank: u32) -> Match {
+        Match {
+            blocks,
+            rank: Some(rank),
+            ..Match::default()
+        }
+    }
+
+    fn system_chat(system: &str, user: &str) -> String {
+        serde_json::json!({"model":"m","messages":[
+            {"role":"system","content":system},{"role":"user","content":user}]})
+        .to_string()
+    }
+
+    #[test]
+    fn prefix_choice_rules() {
+        let c = cfg(
+            r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"min_match_blocks":2,"sticky_blocks":16}"#,
+        );
+        let idle = states(&[(0, 0); 4]);
+        assert_eq!(
+            prefix_choice(&c, &Match::default(), Some(&idle), 0),
+            PrefixChoice::Miss
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(1, 2), Some(&idle), 0),
+            PrefixChoice::Miss,
+            "shorter than min_match_blocks"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(2, 7), Some(&idle), 0),
+            PrefixChoice::Miss,
+            "rank out of range"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&idle), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // Rank 2 holds 3 of 4 in flight: capacity ceil(1.25 × 5 / 4) = 2 → full.
+        let busy = states(&[(1, 0), (0, 0), (3, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&busy), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 }
+        );
+        // Cooling down counts as full; envoy mode (no states) never is.
+        let down = states(&[(0, 0), (0, 0), (0, 50), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&down), 10),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&down), 50),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), None, 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // A match of sticky_blocks (16 here) or more yields only at the pinned bound. With
+        // 4 in flight, 2 of them on rank 2: the new-key capacity is ceil(1.25 × 5 / 4) = 2 (full),
+        // the pinned one ceil(2.0 × 5 / 4) = 3 (not full).
+        let two = states(&[(2, 0), (0, 0), (2, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&two), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 8 },
+            "a shallow match yields at the new-key bound"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(16, 2), Some(&two), 0),
+            PrefixChoice::Hit {
+                rank: 2,
+                blocks: 16
+            },
+            "a deep match stays until the pinned bound"
+        );
+        // The default floor (min_capacity 8) keeps a quiet rank usable.
+        let floored = cfg(r#","assign":{"mode":"hash"}"#);
+        assert_eq!(
+            prefix_choice(&floored, &matched(8, 2), Some(&busy), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+    }
+
+    #[test]
+    fn a_shared_prefix_yields_to_a_less_loaded_rank() {
+        // Floor 8: no rank is full below; only the shared-prefix rule can move the request.
+        let c = cfg(r#","assign":{"mode":"hash"},"prefix":{"shared_slack":1}"#);
+        let shared = |blocks, rank| Match {
+            branched: true,
+            ..matched(blocks, rank)
+        };
+        // Rank 2 has 2 in flight, the least loaded usable rank 0 (rank 3 is down, not counted).
+        let st = states(&[(0, 0), (1, 0), (2, 0), (0, 50)]);
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 2), Some(&st), 10),
+            PrefixChoice::Spread { rank: 2, blocks: 8 },
+            "2 more in flight than the least loaded rank: over a slack of 1"
+        );
+        assert_eq!(
+            prefix_choice(&c, &shared(40, 1), Some(&st), 10),
+            PrefixChoice::Hit {
+                rank: 1,
+                blocks: 40
+            },
+            "within the slack, at any depth"
+        );
+        assert_eq!(
+            prefix_choice(&c, &matched(8, 2), Some(&st), 10),
+            PrefixChoice::Hit { rank: 2, blocks: 8 },
+            "a conversation's own history (not branched) is not spread"
+        );
+        // The default slack 0: only a rank tied with the least loaded keeps a shared prefix.
+        let strict = cfg(r#","assign":{"mode":"hash"}"#);
+        assert_eq!(
+            prefix_choice(&strict, &shared(8, 1), Some(&st), 10),
+            PrefixChoice::Spread { rank: 1, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&strict, &shared(8, 0), Some(&st), 10),
+            PrefixChoice::Hit { rank: 0, blocks: 8 }
+        );
+        // The default sticky_blocks 1: an unbranched match of any depth stays until the pinned
+        // bound. Rank 2 with 1 of 2 in flight, floor 1: the new-key capacity ceil(1.25 × 3 / 4)
+        // = 1 is reached, the pinned one ceil(2.0 × 3 / 4) = 2 is not.
+        let own = cfg(r#","assign":{"mode":"hash","min_capacity":1}"#);
+        let one = states(&[(1, 0), (0, 0), (1, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice(&own, &matched(2, 2), Some(&one), 0),
+            PrefixChoice::Hit { rank: 2, blocks: 2 },
+        );
+        let shallow =
+            cfg(r#","assign":{"mode":"hash","min_capacity":1},"prefix":{"sticky_blocks":16}"#);
+        assert_eq!(
+            prefix_choice(&shallow, &matched(2, 2), Some(&one), 0),
+            PrefixChoice::SkippedFull { rank: 2, blocks: 2 },
+        );
+        // Ranks known to hold the prefix stand for it: the least loaded of them is taken (rank 0,
+        // idle, over the entry's rank 2); an unusable holder (3, down) or one out of range is not.
+        let held = Match {
+            holders: table::holder_flag(0) | table::holder_flag(3) | table::holder_flag(9),
+            ..shared(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &held, Some(&st), 10),
+            PrefixChoice::Hit { rank: 0, blocks: 8 }
+        );
+        let busy_holder = Match {
+            holders: table::holder_flag(1),
+            ..shared(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &busy_holder, Some(&st), 10),
+            PrefixChoice::Hit { rank: 1, blocks: 8 },
+            "holder 1 (1 in flight) is within the slack of the least loaded rank"
+        );
+        assert_eq!(
+            prefix_choice(&strict, &busy_holder, Some(&st), 10),
+            PrefixChoice::Spread { rank: 1, blocks: 8 },
+            "with slack 0 even the best holder yields to the idle rank 0"
+        );
+        // Not branched: holders are not consulted (a conversation's own rank).
+        let own_held = Match {
+            holders: table::holder_flag(0),
+            ..matched(8, 2)
+        };
+        assert_eq!(
+            prefix_choice(&c, &own_held, Some(&st), 10),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+        // Once rank 3 is back and idle it is the least loaded; in envoy mode nothing is counted.
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 1), Some(&st), 50),
+            PrefixChoice::Hit { rank: 1, blocks: 8 }
+        );
+        assert_eq!(
+            prefix_choice(&c, &shared(8, 2), None, 10),
+            PrefixChoice::Hit { rank: 2, blocks: 8 }
+        );
+    }
+
+    #[test]
+    fn a_match_is_weighed_against_the_home() {
+        // load_blocks 32, home_blocks 8; a generous load bound so that only the weighing decides.
+        let c = cfg(
+            r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"load_blocks":32,"home_blocks":8}"#,
+        );
+        let at = |m: &Match, loads: &[u32], home| {
+            let st = states(&loads.iter().map(|&n| (n, 0)).collect::<Vec<_>>());
+            prefix_choice_at(&c, m, Some(&st), 10, Some(home))
+        };
+        let shared = |blocks, rank, holders| Match {
+            blocks,
+            rank: Some(rank),
+            branched: true,
+            holders,
+            ..Match::default()
+        };
+        let hit = |rank, blocks| PrefixChoice::Hit { rank, blocks };
+        let spread = |rank, blocks| PrefixChoice::Spread { rank, blocks };
+        // A conversation's own 80-block history (40 KiB) stays over one or two more requests
+        // in flight (80 > 32 + 8, 80 > 64 + 8), not over three (80 < 96 + 8).
+        assert_eq!(at(&matched(80, 1), &[0, 1, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 2, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 3, 0, 0], 2), spread(1, 80));
+        // A 4-block (2 KiB) shared system prompt never outweighs going home on an idle
+        // cluster: new conversations spread by their home instead of piling onto its holder.
+        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 0, 0], 2), spread(1, 4));
+        // Not even when the holder is idler than the home: a replica with another view of the
+        // loads would send the conversation elsewhere.
+        assert_eq!(at(&shared(4, 1, 0), &[0, 0, 3, 0], 2), spread(1, 4));
+        // A 160-block shared document stays with its holder over 4 more requests, not 5.
+        assert_eq!(at(&shared(160, 1, 0), &[0, 4, 0, 0], 2), hit(1, 160));
+        assert_eq!(at(&shared(160, 1, 0), &[0, 5, 0, 0], 2), spread(1, 160));
+        // The home holds the shared prefix too: nothing is saved elsewhere.
+        let home_holds = shared(160, 1, table::holder_flag(2));
+        assert_eq!(at(&home_holds, &[0, 0, 0, 0], 2), spread(1, 160));
+        // The match is at home: a hit whatever the load.
+        assert_eq!(at(&matched(4, 2), &[0, 0, 9, 0], 2), hit(2, 4));
+        // Only a rendezvous home (hash mode) earns the bonus: with least_inflight, the least
+        // loaded rank of the moment, a 4-block match on an idle cluster stays.
+        let li = cfg(r#","assign":{"mode":"least_inflight","min_capacity":64}"#);
+        assert_eq!(
+            prefix_choice_at(
+                &li,
+                &shared(4, 1, 0),
+                Some(&states(&[(0, 0); 4])),
+                10,
+                Some(2)
+            ),
+            hit(1, 4)
+        );
+        // The weights are knobs: home_blocks 0 and a 4-block prefix on an idle cluster stays.
+        let c0 = cfg(r#","assign":{"mode":"hash","min_capacity":64},"prefix":{"home_blocks":0}"#);
+        // The defaults (8, 8): an 80-block history stays over 8 more requests in flight.
+        let d = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
+        let eight_more = states(&[(0, 0), (8, 0), (0, 0), (0, 0)]);
+        assert_eq!(
+            prefix_choice_at(&d, &matched(80, 1), Some(&eight_more), 10, Some(2)),
+            hit(1, 80)
+        );
+        let idle = states(&[(0, 0); 4]);
+        assert_eq!(
+            prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2)),
+            hit(1, 4)
+        );
+    }
+
+    #[test]
+    fn placement_order_pin_then_prefix_then_assigner() {
+        let c = cfg(r#","assign":{"mode":"hash","min_capacity":1}"#);
+        let idle = states(&[(0, 0); 4]);
+        let m = matched(16, 3);
+        let never = || -> Option<u32> { panic!("the assigner must not run") };
+        // A kept pin wins; the prefix is not even consulted.
+        assert_eq!(
+            place(&c, 0, Some(1), Some(&m), Some(&idle), never),
+            Placement {
+                placed: Placed::Pin(1),
+                prefix: None
+            }
+        );
+        // No pin: the prefix (16 blocks outweigh the home's bonus on an idle cluster).
+        assert_eq!(
+            place(&c, 0, None, Some(&m), Some(&idle), || Some(0)),
+            Placement {
+                placed: Placed::Prefix {
+                    rank: 3,
+                    blocks: 16
+                },
+                prefix: Some(PrefixChoice::Hit {
+                    rank: 3,
+                    blocks: 16
+                })
+            }
+        );
+        // A pin over the pinned bound (rank 1: 9 of 9 in flight) moves to the prefix's rank.
+        let pin_busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
+        assert_eq!(
+            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), || Some(0)).placed,
+            Placed::Prefix {
+                rank: 3,
+                blocks: 16
+            }
+        );
+        // The prefix's rank full: the assigner decides, and the skip is reported.
+        let prefix_busy = states(&[(0, 0), (0, 0), (0, 0), (5, 0)]);
+        assert_eq!(
+            place(&c, 0, None, Some(&m), Some(&prefix_busy), || Some(0)),
+            Placement {
+                placed: Placed::Assigned(Some(0)),
+                prefix: Some(PrefixChoice::SkippedFull {
+                    rank: 3,
+                    blocks: 16
+                })
+            }
+        );
+        // No match, or no chain at all (not consulted).
+        assert_eq!(
+            place(&c, 0, None, Some(&Match::default()), Some(&idle), || Some(
+                2
+            )),
+            Placement {
+                placed: Placed::Assigned(Some(2)),
+                prefix: Some(PrefixChoice::Miss)
+            }
+        );
+        assert_eq!(
+            place(&c, 0, None, None, Some(&idle), || None),
+            Placement {
+                placed: Placed::Assigned(None),
+                prefix: None
+            }
+        );
+        // Envoy mode: no states, a pin always holds, a match always routes.
+        let envoy = cfg("");
+        assert_eq!(
+            place(&envoy, 0, Some(0), Some(&m), None, never).placed,
+            Placed::Pin(0)
+        );
+        assert_eq!(
+            place(&envoy, 0, None, Some(&m), None, never).placed,
+            Placed::Prefix {
+                rank: 3,
+                blocks: 16
+            }
+        );
+    }
+
+    #[test]
+    fn keyless_requests_sharing_a_system_prompt_follow_the_first() {
+        let c = cfg(PREFIX_ON);
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&c.prefix));
+        idx.table().ensure_buckets(&s);
+        let system = "You are the support bot of a large company. Be brief. ".repeat(100);
+        let chain_of = |user: &str| {
+            let body = system_chat(&system, user);
+            let (d, chain) =
+                decide_body_with_prefix(&c, body.as_bytes(), None, true, Some(Api::Chat));
+            assert_eq!(d, Decision::Fallback(Reason::NoKey));
+            chain
+        };
+        // First request: nothing indexed; Envoy (or the assigner) places it on rank 2, then it
+        // is recorded under rank 2.
+        let first = chain_of("How do I reset my password?");
+        let m = idx.longest_match(&s, first.hashes(), 100, c.dp_size);
+        let p = place(&c, 100, None, Some(&m), None, || None);
+        assert_eq!(p.prefix, Some(PrefixChoice::Miss));
+        idx.record(&s, first.hashes(), 2, 100, &m);
+        // Another user message after the same system prompt: the prefix sends it to rank 2.
+        let second = chain_of("Where is my invoice?");
+        let m = idx.longest_match(&s, second.hashes(), 101, c.dp_size);
+        assert!(m.blocks * 64 >= system.len() * 2 / 3, "{} blocks", m.blocks);
+        let p = place(&c, 101, None, Some(&m), None, || None);
+        assert!(matches!(p.placed, Placed::Prefix { rank: 2, .. }), "{p:?}");
+        // An unrelated prompt shares nothing.
+        let body = system_chat(&"Translate to French. ".repeat(200), "Hello");
+        let (_, other) = decide_body_with_prefix(&c, body.as_bytes(), None, true, Some(Api::Chat));
+        let m = idx.longest_match(&s, other.hashes(), 101, c.dp_size);
+        assert_eq!(m.rank, None);
+    }
+
+    /// One row of a plan table: the request's facts and the plan expected.
+    struct Row {
+        what: &'static str,
+        key: Option<KeyFacts>,
+        matched: Option<Match>,
+        anchor: Option<u64>,
+        states: Option<RankStates>,
+        want_target: Target,
+        want_counters: [Option<Counter>; 2],
+    }
+
+    fn key(hash: u64, pinned: Option<u32>) -> Option<KeyFacts> {
+        Some(KeyFacts { hash, pinned })
+    }
+
+    fn check(c: &Config, rows: &[Row]) {
+        for r in rows {
+            let facts = Facts {
+                key: r.key,
+                matched: r.matched,
+                anchor: r.anchor,
+                turn: 0,
+            };
+            let p = plan(c, 0, &facts, r.states.as_ref(), 10);
+            assert_eq!(p.target, r.want_target, "{}", r.what);
+            assert_eq!(p.counters, r.want_counters, "{}", r.what);
+        }
+    }
+
+    /// The rendezvous home of `anchor` on an idle cluster of `c`'s size.
+    fn home_of(c: &Config, anchor: u64) -> u32 {
+        let idle = states(&vec![(0, 0); c.dp_size as usize]);
+        let facts = Facts {
+            anchor: Some(anchor),
+            ..Facts::default()
+        };
+        assign(c, &idle, 0, &facts, 1).expect("an idle cluster has a home")
+    }
+
+    #[test]
+    fn plans_in_hash_mode() {
+        let c = cfg(r#","assign":{"mode":"hash","min_capacity":2}"#);
+        let idle = || Some(states(&[(0, 0); 4]));
+        let home = home_of(&c, 77);
+        let busy_pin = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
+        let down = states(&[(0, 9), (0, 9), (0, 9), (0, 9)]);
+        use Counter::*;
+        check(
+            &c,
+            &[
+                Row {
+                    what: "a held pin decides; nothing to write",
+                    key: key(77, Some(1)),
+                    matched: None,
+                    anchor: None,
+                    states: idle(),
+                    want_target: Target::Pinned {
+                        hash: 77,
+                        rank: 1,
+                        write_pin: false,
+                    },
+                    want_counters: [Some(AffinityHit), None],
+                },
+                Row {
+                    what: "a new key goes home (the rendezvous rank of the key) and is pinned",
+                    key: key(77, None),
+                    matched: None,
+                    anchor: Some(5),
+                    states: idle(),
+                    want_target: Target::Pinned {
+                        hash: 77,
+                        rank: home,
+                        write_pin: true,
+                    },
+                    want_counters: [Some(AffinityMiss), Some(Assigned)],
+                },
+                Row {
+                    what: "a pin over the bound moves home",
+                    key: key(77, Some(1)),
+                    matched: None,
+                    anchor: None,
+                    states: Some(busy_pin),
+                    want_target: Target::Pinned {
+                        hash: 77,
+                        rank: if home == 1 {
+                            home_of_busy(&c, 77)
+                        } else {
+                            home
+                        },
+                        write_pin: true,
+                    },
+                    want_counters: [Some(Moved), Some(Assigned)],
+                },
+                Row {
+                    what: "a deep history on another rank beats the home",
+                    key: key(77, None),
+                    matched: Some(matched(80, (home + 1) % 4)),
+                    anchor: None,
+                    states: idle(),
+                    want_target: Target::Pinned {
+                        hash: 77,
+                        rank: (home + 1) % 4,
+                        write_pin: true,
+                    },
+                    want_counters: [Some(AffinityMiss), None],
+                },
+                Row {
+                    what: "no key: the anchor's home, nothing to pin",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: idle(),
+                    want_target: Target::Direct { rank: home },
+                    want_counters: [None, None],
+                },
+                Row {
+                    what: "no usable rank, keyed: Envoy balances and the answer teaches",
+                    key: key(77, None),
+                    matched: None,
+                    anchor: None,
+                    states: Some(down.clone()),
+                    want_target: Target::Learn { hash: 77 },
+                    want_counters: [Some(NoUsableRank), None],
+                },
+                Row {
+                    what: "no usable rank, keyless: Envoy balances",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: Some(down),
+                    want_target: Target::Balanced,
+                    want_counters: [Some(NoUsableRank), None],
+                },
+            ],
+        );
+    }
+
+    /// Where key 77 goes when rank 1 is over the bound.
+    fn home_of_busy(c: &Config, hash: u64) -> u32 {
+        let busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
+        let facts = Facts {
+            key: key(hash, None),
+            ..Facts::default()
+        };
+        assign(c, &busy, 0, &facts, 1).expect("three usable ranks")
+    }
+
+    #[test]
+    fn plans_in_envoy_mode() {
+        let c = cfg("");
+        use Counter::*;
+        check(
+            &c,
+            &[
+                Row {
+                    what: "a pin decides (no load is counted)",
+                    key: key(9, Some(2)),
+                    matched: Some(matched(80, 1)),
+                    anchor: None,
+                    states: None,
+                    want_target: Target::Pinned {
+                        hash: 9,
+                        rank: 2,
+                        write_pin: false,
+                    },
+                    want_counters: [Some(AffinityHit), None],
+                },
+                Row {
+                    what: "a new key follows its prompt's prefix and is pinned at once",
+                    key: key(9, None),
+                    matched: Some(matched(80, 1)),
+                    anchor: None,
+                    states: None,
+                    want_target: Target::Pinned {
+                        hash: 9,
+                        rank: 1,
+                        write_pin: true,
+                    },
+                    want_counters: [Some(AffinityMiss), None],
+                },
+                Row {
+                    what: "a new key without a match: Envoy balances, the answer teaches",
+                    key: key(9, None),
+                    matched: None,
+                    anchor: Some(3),
+                    states: None,
+                    want_target: Target::Learn { hash: 9 },
+                    want_counters: [Some(AffinityMiss), None],
+                },
+                Row {
+                    what: "keyless with a match goes to it",
+                    key: None,
+                    matched: Some(matched(80, 3)),
+                    anchor: None,
+                    states: None,
+                    want_target: Target::Direct { rank: 3 },
+                    want_counters: [None, None],
+                },
+                Row {
+                    what: "keyless without: Envoy balances, nothing counted",
+                    key: None,
+                    matched: None,
+                    anchor: Some(3),
+                    states: None,
+                    want_target: Target::Balanced,
+                    want_counters: [None, None],
+                },
+            ],
+        );
+    }
+
+    #[test]
+    fn each_mode_assigns_its_way() {
+        let loads = states(&[(3, 0), (1, 0), (1, 0), (2, 0)]);
+        let at = |mode: &str, turn: u32, anchor: Option<u64>| {
+            let c = cfg(&format!(
+                r#","assign":{{"mode":"{mode}","min_capacity":8}}"#
+            ));
+            let facts = Facts {
+                anchor,
+                turn,
+                ..Facts::default()
+            };
+            assign(&c, &loads, 0, &facts, 1)
+        };
+        // Least in flight, ties rotated by the turn.
+        assert_eq!(at("least_inflight", 0, None), Some(1));
+        assert_eq!(at("least_inflight", 2, None), Some(2));
+        // Round robin: the next rank from the turn, whatever the load.
+        assert_eq!(at("round_robin", 3, None), Some(3));
+        assert_eq!(at("round_robin", 5, None), Some(1));
+        // Room mode places what has no room like least_inflight.
+        assert_eq!(at("bootstrap_room", 0, None), Some(1));
+        // Hash: a function of the anchor alone on equal loads; least in flight without one.
+        assert_eq!(at("hash", 0, Some(42)), at("hash", 7, Some(42)));
+        assert_eq!(at("hash", 0, None), Some(1));
+        assert_eq!(at("envoy", 0, Some(42)), None);
+    }
+}
