@@ -18,7 +18,8 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use dp_affinity::config::{Config, TableConfig};
+use dp_affinity::config::Config;
+use dp_affinity::config_sections::TableConfig;
 use dp_affinity::extract::scan_body;
 use dp_affinity::hash::KeyedHasher;
 use dp_affinity::json_scan::scan_top_level;

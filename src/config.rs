@@ -10,6 +10,7 @@ use std::fmt;
 use serde_json::Value;
 
 use crate::assign::{Bound, Mode};
+use crate::config_sections::{ConfigError, TableConfig};
 use crate::hash::KeyedHasher;
 use crate::prefix::{PrefixConfig, PrefixHasher};
 use crate::ranks::StrikeRule;
@@ -676,35 +677,6 @@ pub struct LearnConfig {
     pub response_header: Option<String>,
     pub upstream_addresses: HashMap<String, u32>,
 }
-
-#[derive(Debug, Clone)]
-pub struct TableConfig {
-    pub buckets: u32,
-    pub ways: u32,
-    pub ttl_seconds: u32,
-    pub refresh_seconds: u32,
-    pub cas_retries: u32,
-    pub namespace: String,
-}
-
-/// A configuration error naming the offending field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub field: String,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid plugin configuration: {}: {}",
-            self.field, self.message
-        )
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 fn err(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {

@@ -7,6 +7,7 @@
 
 pub mod assign;
 pub mod config;
+pub mod config_sections;
 pub mod decide;
 pub mod extract;
 pub mod failure;

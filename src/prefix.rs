@@ -130,7 +130,7 @@
 
 use std::cell::Cell;
 
-use crate::config::{ConfigError, TableConfig};
+use crate::config_sections::{ConfigError, TableConfig};
 use crate::hash::{fmix64, KeyedHasher};
 use crate::json_scan::{ScanError, Scanner, Value};
 use crate::table::{

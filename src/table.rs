@@ -10,7 +10,7 @@
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
 
-use crate::config::TableConfig;
+use crate::config_sections::TableConfig;
 
 /// Result of a read from the store: value and its compare-and-swap token.
 pub type Stored = (Option<Vec<u8>>, Option<u32>);
