@@ -10,9 +10,9 @@ use std::fmt;
 use serde_json::Value;
 
 use crate::assign::{Bound, Mode};
+use crate::chain::PrefixHasher;
 use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
-use crate::prefix::PrefixHasher;
 use crate::ranks::StrikeRule;
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make

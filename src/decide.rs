@@ -5,9 +5,10 @@
 //! changes and local replies; nothing here performs an action.
 
 use crate::assign::{busier_than_least, keep_pin, room_rank, Mode};
+use crate::chain::Chain;
 use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
-use crate::prefix::{Api, Chain, Match};
+use crate::prefix::{Api, Match};
 use crate::ranks::RankStates;
 use crate::table::{self, AffinityTable, Lookup, Store};
 

@@ -5,10 +5,11 @@
 
 use std::borrow::Cow;
 
+use crate::chain::Chain;
 use crate::config::Config;
 use crate::failure::{classify, Answer};
 use crate::json_scan::{scan_top_level, ScanError, Value};
-use crate::prefix::{scan_prompt, Api, Chain};
+use crate::prefix::{scan_prompt, Api};
 
 /// Where an explicit rank came from, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,6 +6,7 @@
 //! wasm target alone.
 
 pub mod assign;
+pub mod chain;
 pub mod config;
 pub mod config_sections;
 pub mod decide;

@@ -14,13 +14,14 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 use crate::assign::{
     choose_hash, choose_hash_of_two, choose_least_inflight, choose_round_robin, Mode,
 };
+use crate::chain::Chain;
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, place, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
-use crate::prefix::{Api, Chain, CountingStore, Match, PrefixIndex};
+use crate::prefix::{Api, CountingStore, Match, PrefixIndex};
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
