@@ -76,8 +76,9 @@ pub struct PrefixConfig {
     /// Prompt blocks going home is worth by itself: the home is where every replica sends the
     /// conversation's later turns.
     pub home_blocks: u32,
-    /// Indexed positions have at most this many significant bits (see the module doc): more bits,
-    /// more precise matches, more entries written per chain and one more read per search.
+    /// Indexed positions have at most this many significant bits (see the `prefix_index` module
+    /// doc): more bits, more precise matches, more entries written per chain and one more read
+    /// per search.
     pub grid_bits: u32,
     /// The index's geometry and timing.
     pub table: TableConfig,
@@ -91,15 +92,16 @@ impl Default for PrefixConfig {
     ///   the matched rank, not this threshold; a higher one would mostly delay the stickiness of
     ///   short keyless conversations by a turn.
     /// - `sticky_blocks` 1: every match that is not on a branched position (a shared prefix, see
-    ///   the module doc) is taken for a conversation's own history, whose loss costs its whole
-    ///   prefill: it stays like a key's pin, until the looser pinned bound. Shared prefixes are
-    ///   told apart by the branched flag, not by depth; a higher value makes shallow matches
-    ///   yield at the new-key bound too (for deployments whose conversations are known to be
-    ///   long and whose short prefixes are all shared).
-    /// - `shared_slack` 0: a prefix other prompts share (see the module doc) is computed once
-    ///   per rank and then served from every cache, so it only decides between equally loaded
-    ///   ranks; a popular system prompt does not pile its conversations onto one rank. Raise it
-    ///   when shared prefixes are long and caches small (each copy costs cache space).
+    ///   the `prefix_index` module doc) is taken for a conversation's own history, whose loss
+    ///   costs its whole prefill: it stays like a key's pin, until the looser pinned bound.
+    ///   Shared prefixes are told apart by the branched flag, not by depth; a higher value makes
+    ///   shallow matches yield at the new-key bound too (for deployments whose conversations are
+    ///   known to be long and whose short prefixes are all shared).
+    /// - `shared_slack` 0: a prefix other prompts share (see the `prefix_index` module doc) is
+    ///   computed once per rank and then served from every cache, so it only decides between
+    ///   equally loaded ranks; a popular system prompt does not pile its conversations onto one
+    ///   rank. Raise it when shared prefixes are long and caches small (each copy costs cache
+    ///   space).
     /// - `load_blocks` 8, `home_blocks` 8 (see `decide::prefix_choice_at`): chosen on the
     ///   KV-cache-trace benchmark (`scripts/bench-affinity.py --suite kv`): with 32 per request
     ///   in flight, conversations left their cached history over small load differences (hit

@@ -16,6 +16,7 @@ pub mod hash;
 pub mod json_scan;
 pub mod metrics;
 pub mod prefix;
+pub mod prefix_index;
 pub mod ranks;
 pub mod table;
 
