@@ -24,8 +24,8 @@ use dp_affinity::config_sections::{PrefixConfig, TableConfig};
 use dp_affinity::extract::scan_body;
 use dp_affinity::hash::KeyedHasher;
 use dp_affinity::json_scan::scan_top_level;
-use dp_affinity::prefix::{prompt_chain, scan_prompt, Api};
 use dp_affinity::prefix_index::{Match, PrefixIndex};
+use dp_affinity::prompt::{prompt_chain, scan_prompt, Api};
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored};
 
 // ---------------------------------------------------------------------------------------------

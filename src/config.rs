@@ -1218,7 +1218,7 @@ mod tests {
 
     #[test]
     fn prefix_hasher_follows_the_routing_key_seed() {
-        use crate::prefix::{prompt_chain, Api};
+        use crate::prompt::{prompt_chain, Api};
         let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(1024));
         let chain = |json: &str| {
             let c = parse(json).unwrap();

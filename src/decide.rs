@@ -8,8 +8,8 @@ use crate::assign::{busier_than_least, keep_pin, room_rank, Mode};
 use crate::chain::Chain;
 use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
-use crate::prefix::Api;
 use crate::prefix_index::Match;
+use crate::prompt::Api;
 use crate::ranks::RankStates;
 use crate::table::{self, AffinityTable, Lookup, Store};
 
@@ -780,8 +780,8 @@ mod tests {
 
     // ---------------------------------------------------------------- prefix placement
 
-    use crate::prefix::prompt_chain;
     use crate::prefix_index::PrefixIndex;
+    use crate::prompt::prompt_chain;
     use crate::ranks::RankLoad;
 
     const PREFIX_ON: &str = r#","prefix":{"enabled":true,"block_bytes":64}"#;

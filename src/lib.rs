@@ -15,8 +15,8 @@ pub mod failure;
 pub mod hash;
 pub mod json_scan;
 pub mod metrics;
-pub mod prefix;
 pub mod prefix_index;
+pub mod prompt;
 pub mod ranks;
 pub mod table;
 

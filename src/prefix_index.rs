@@ -20,8 +20,8 @@
 //! chained block hashes, this one indexes them; `config_sections` holds [`PrefixConfig`].
 //!
 //! [`PrefixHasher`]: crate::chain::PrefixHasher
-//! [`scan_prompt`]: crate::prefix::scan_prompt
-//! [`prompt_chain`]: crate::prefix::prompt_chain
+//! [`scan_prompt`]: crate::prompt::scan_prompt
+//! [`prompt_chain`]: crate::prompt::prompt_chain
 //!
 //! # The index
 //!
@@ -351,7 +351,7 @@ mod tests {
     use super::*;
     use crate::chain::tests::{hasher, splitmix};
     use crate::config_sections::MAX_BLOCKS_LIMIT;
-    use crate::prefix::{prompt_chain, Api};
+    use crate::prompt::{prompt_chain, Api};
     use crate::table::tests::MemStore;
     use serde_json::json;
 

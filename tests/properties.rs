@@ -28,7 +28,7 @@ use dp_affinity::config_sections::TableConfig;
 use dp_affinity::decide::decide_body_with_prefix;
 use dp_affinity::extract::scan_body;
 use dp_affinity::json_scan::{scan_top_level, Value};
-use dp_affinity::prefix::Api;
+use dp_affinity::prompt::Api;
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
 
 /// Cases per property, unless `PROPTEST_CASES` says otherwise.

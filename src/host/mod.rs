@@ -21,8 +21,8 @@ use crate::decide::{Decision, HeaderStep, Placed, Placement, PrefixChoice, Reaso
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
-use crate::prefix::Api;
 use crate::prefix_index::{CountingStore, Match, PrefixIndex};
+use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
