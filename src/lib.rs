@@ -22,3 +22,6 @@ pub mod table;
 
 #[cfg(target_arch = "wasm32")]
 mod host;
+
+#[cfg(test)]
+mod module_graph;
