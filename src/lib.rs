@@ -1,9 +1,10 @@
 //! dp-affinity: an Envoy HTTP filter (proxy-wasm) that routes LLM inference requests to
 //! data-parallel ranks with prefix-cache affinity.
 //!
-//! The routing core (`config`, `extract`, `json_scan`, `decide`, `table`, `hash`, `metrics`) is
-//! plain Rust, tested natively. Only `host` touches the proxy-wasm SDK, and it is compiled for the
-//! wasm target alone.
+//! The routing core (every module but `host`) is plain Rust, tested natively. Only `host` touches
+//! the proxy-wasm SDK, and it is compiled for the wasm target alone. The modules import each
+//! other without a cycle (`module_graph`, a unit test, checks); README's repository layout lists
+//! them in an order where each imports only those before it.
 
 pub mod assign;
 pub mod chain;
