@@ -34,7 +34,7 @@ pub trait Store {
 const ENTRY: usize = 16;
 
 /// Entry flag: a prompt continued past this prefix-index position after a lookup stopped there,
-/// so a request whose match stops here shares only this prefix with others (see `prefix`).
+/// so a request whose match stops here shares only this prefix with others (see `prefix_index`).
 pub const FLAG_BRANCHED: u16 = 1;
 
 /// Ranks below this have a holder flag.
