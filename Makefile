@@ -6,7 +6,7 @@
 #   make test      tools + build + lint + validate + unit tests + end-to-end tests (what CI runs)
 #   make lint      rustfmt check + clippy (native workspace and the wasm target), warnings are errors
 #   make validate  `envoy --mode validate` on every shipped Envoy config + the docker harness
-#   make unit      native unit tests (no Envoy needed)
+#   make unit      native unit tests (no Envoy needed), the module-graph check among them
 #   make e2e       end-to-end tests through a real Envoy
 #   make bench     scripts/bench.sh: native micro-benchmarks, wasm size, overhead through Envoy,
 #                  the affinity comparison (hit rate, balance, latency per policy); < 10 min
@@ -103,6 +103,8 @@ validate: tools build
 	"$(PYTHON)" scripts/validate-compose.py
 
 # Native unit tests of every workspace member (library and binary targets, then doc tests).
+# The library's include `module_graph::the_crate_has_no_import_cycle`: no module of src/ imports
+# one that imports it back.
 # Integration tests (tests/*.rs) are the e2e target's job, so they are not run twice.
 unit:
 	$(CARGO) test --workspace --lib --bins

@@ -18,13 +18,14 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use dp_affinity::config::{Config, TableConfig};
+use dp_affinity::chain::PrefixHasher;
+use dp_affinity::config::Config;
+use dp_affinity::config_sections::{PrefixConfig, TableConfig};
 use dp_affinity::extract::scan_body;
 use dp_affinity::hash::KeyedHasher;
 use dp_affinity::json_scan::scan_top_level;
-use dp_affinity::prefix::{
-    prompt_chain, scan_prompt, Api, Match, PrefixConfig, PrefixHasher, PrefixIndex,
-};
+use dp_affinity::prefix_index::{Match, PrefixIndex};
+use dp_affinity::prompt::{prompt_chain, scan_prompt, Api};
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored};
 
 // ---------------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ use std::fmt;
 use serde_json::Value;
 
 use crate::assign::{Bound, Mode};
+use crate::chain::PrefixHasher;
+use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
-use crate::prefix::{PrefixConfig, PrefixHasher};
 use crate::ranks::StrikeRule;
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
@@ -677,35 +678,6 @@ pub struct LearnConfig {
     pub upstream_addresses: HashMap<String, u32>,
 }
 
-#[derive(Debug, Clone)]
-pub struct TableConfig {
-    pub buckets: u32,
-    pub ways: u32,
-    pub ttl_seconds: u32,
-    pub refresh_seconds: u32,
-    pub cas_retries: u32,
-    pub namespace: String,
-}
-
-/// A configuration error naming the offending field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub field: String,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid plugin configuration: {}: {}",
-            self.field, self.message
-        )
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
 fn err(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.to_string(),
@@ -1246,7 +1218,7 @@ mod tests {
 
     #[test]
     fn prefix_hasher_follows_the_routing_key_seed() {
-        use crate::prefix::{prompt_chain, Api};
+        use crate::prompt::{prompt_chain, Api};
         let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(1024));
         let chain = |json: &str| {
             let c = parse(json).unwrap();

@@ -5,9 +5,10 @@
 //! changes and local replies; nothing here performs an action.
 
 use crate::assign::{room_rank, Mode};
+use crate::chain::Chain;
 use crate::config::{Config, OnInvalid};
 use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
-use crate::prefix::{Api, Chain};
+use crate::prompt::Api;
 use crate::table::{AffinityTable, Lookup, Store};
 
 /// Why a request was left to the fallback. Each maps to one counter.
@@ -571,7 +572,7 @@ mod tests {
 
     // ---------------------------------------------------------------- prefix placement
 
-    use crate::prefix::prompt_chain;
+    use crate::prompt::prompt_chain;
 
     const PREFIX_ON: &str = r#","prefix":{"enabled":true,"block_bytes":64}"#;
 

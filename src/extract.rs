@@ -5,10 +5,11 @@
 
 use std::borrow::Cow;
 
+use crate::chain::Chain;
 use crate::config::Config;
 use crate::failure::{classify, Answer};
 use crate::json_scan::{scan_top_level, ScanError, Value};
-use crate::prefix::{scan_prompt, Api, Chain};
+use crate::prompt::{scan_prompt, Api};
 
 /// Where an explicit rank came from, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -682,7 +683,7 @@ mod tests {
 
     #[test]
     fn one_pass_gives_the_fields_and_the_chain() {
-        use crate::prefix::prompt_chain;
+        use crate::prompt::prompt_chain;
         let c = Config::from_json(
             br#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":16},
                  "assign":{"mode":"bootstrap_room"}}"#,

@@ -1,13 +1,15 @@
 //! dp-affinity: an Envoy HTTP filter (proxy-wasm) that routes LLM inference requests to
 //! data-parallel ranks with prefix-cache affinity.
 //!
-//! The routing core (`config`, `extract`, `json_scan`, `decide`, `placement`, `table`, `hash`,
-//! `metrics`) is
-//! plain Rust, tested natively. Only `host` touches the proxy-wasm SDK, and it is compiled for the
-//! wasm target alone.
+//! The routing core (every module but `host`) is plain Rust, tested natively. Only `host` touches
+//! the proxy-wasm SDK, and it is compiled for the wasm target alone. The modules import each
+//! other without a cycle (`module_graph`, a unit test, checks); README's repository layout lists
+//! them in an order where each imports only those before it.
 
 pub mod assign;
+pub mod chain;
 pub mod config;
+pub mod config_sections;
 pub mod decide;
 pub mod extract;
 pub mod failure;
@@ -15,9 +17,13 @@ pub mod hash;
 pub mod json_scan;
 pub mod metrics;
 pub mod placement;
-pub mod prefix;
+pub mod prefix_index;
+pub mod prompt;
 pub mod ranks;
 pub mod table;
 
 #[cfg(target_arch = "wasm32")]
 mod host;
+
+#[cfg(test)]
+mod module_graph;

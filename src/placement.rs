@@ -12,7 +12,7 @@ use crate::assign::{
 };
 use crate::config::Config;
 use crate::metrics::Counter;
-use crate::prefix::Match;
+use crate::prefix_index::Match;
 use crate::ranks::RankStates;
 use crate::table;
 
@@ -371,7 +371,8 @@ fn placed_rank(placed: Placed) -> Option<u32> {
 mod tests {
     use super::*;
     use crate::decide::{decide_body_with_prefix, Decision, Reason};
-    use crate::prefix::{Api, PrefixIndex};
+    use crate::prefix_index::PrefixIndex;
+    use crate::prompt::Api;
     use crate::ranks::RankLoad;
     use crate::table::tests::MemStore;
 

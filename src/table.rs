@@ -10,7 +10,7 @@
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
 
-use crate::config::TableConfig;
+use crate::config_sections::TableConfig;
 
 /// Result of a read from the store: value and its compare-and-swap token.
 pub type Stored = (Option<Vec<u8>>, Option<u32>);
@@ -34,7 +34,7 @@ pub trait Store {
 const ENTRY: usize = 16;
 
 /// Entry flag: a prompt continued past this prefix-index position after a lookup stopped there,
-/// so a request whose match stops here shares only this prefix with others (see `prefix`).
+/// so a request whose match stops here shares only this prefix with others (see `prefix_index`).
 pub const FLAG_BRANCHED: u16 = 1;
 
 /// Ranks below this have a holder flag.

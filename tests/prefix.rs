@@ -341,7 +341,7 @@ fn keyed_request_records_its_prefix() {
 
 /// Thousands of distinct prompts through a tiny index (4 buckets × 2 ways = 8 entries): every
 /// prompt is recorded, all but 8 entries are evicted, the newest prompt is still found and the
-/// oldest is gone. (The 100,000-prompt version runs natively: `prefix::tests`.)
+/// oldest is gone. (The 100,000-prompt version runs natively: `prefix_index::tests`.)
 #[test]
 fn index_stays_at_its_bound() {
     const PROMPTS: u64 = 3000;

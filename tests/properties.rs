@@ -23,11 +23,12 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use serde_json::Value as J;
 
-use dp_affinity::config::{Config, TableConfig, TargetMode};
+use dp_affinity::config::{Config, TargetMode};
+use dp_affinity::config_sections::TableConfig;
 use dp_affinity::decide::decide_body_with_prefix;
 use dp_affinity::extract::scan_body;
 use dp_affinity::json_scan::{scan_top_level, Value};
-use dp_affinity::prefix::Api;
+use dp_affinity::prompt::Api;
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
 
 /// Cases per property, unless `PROPTEST_CASES` says otherwise.

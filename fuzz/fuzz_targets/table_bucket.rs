@@ -10,7 +10,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
-use dp_affinity::config::TableConfig;
+use dp_affinity::config_sections::TableConfig;
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored};
 use libfuzzer_sys::fuzz_target;
 

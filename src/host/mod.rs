@@ -11,6 +11,7 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
+use crate::chain::Chain;
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, resolve_key, without_body};
 use crate::decide::{Decision, HeaderStep, Reason};
@@ -18,7 +19,8 @@ use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Target};
-use crate::prefix::{Api, Chain, CountingStore, Match, PrefixIndex};
+use crate::prefix_index::{CountingStore, Match, PrefixIndex};
+use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};

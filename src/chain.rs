@@ -1,0 +1,410 @@
+//! The prompt's blocks as a chain of hashes: [`PrefixHasher`] holds the keys, derived once from
+//! the configured seed, and [`Chain`] the chained block hashes of one request's canonical prompt.
+//! The walker in `prompt` streams the canonical prompt (described there) into a `ChainBuilder` as
+//! it reads the body, so no copy of the prompt is made. Hash `i` covers blocks `0..=i`, so a
+//! chain's first `n` hashes name its first `n` blocks: what the prefix index stores.
+//!
+//! # Hash
+//!
+//! Per block, four lanes each absorb every fourth 8-byte word with
+//! `x = lane ^ w; lane = lo32(x) * hi32(x) ^ rotl(x, 29)`: one 32×32→64 multiply (native in
+//! wasm, unlike a 64×64→128 one, which wasm32 lowers to a `__multi3` call), serial per lane so
+//! word order matters, and non-linear in every input bit, so no input difference cancels without
+//! knowing the lane state. The lanes start from key-derived values; the block's tail stripe is
+//! zero-padded (every block of a chain has the same length, so padding is unambiguous). The block
+//! hash folds the lanes into the previous block's hash with the murmur3 64-bit finaliser, one
+//! lane at a time, so each block's hash covers everything before it. The model then goes in with
+//! one more finaliser round against a SipHash of the model name.
+//!
+//! All keys derive from the configured seed (SipHash-1-3, [`KeyedHasher`]): without the seed
+//! nobody can choose prompts that land in one bucket of the index and evict everyone else. This
+//! is not a cryptographic MAC: a collision, accidental or crafted, costs a cache miss or a
+//! suboptimal placement, never a request on a rank outside the configured ones. (An attacker who
+//! knows a victim's prompt can simply send it; no collision is needed to share its entries.)
+
+use crate::config_sections::{PrefixConfig, MAX_BLOCK_BYTES, MAX_BLOCK_TOKENS};
+use crate::hash::{fmix64, KeyedHasher};
+
+const LANES: usize = 4;
+/// Bytes absorbed per round: one 8-byte word per lane.
+const STRIPE: usize = 8 * LANES;
+
+/// The three hash domains: a prompt of one kind never shares entries with another kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Domain {
+    Chat = 0,
+    Text = 1,
+    Tokens = 2,
+}
+
+/// Keys of the chain hash, derived once from the configured seed.
+#[derive(Debug, Clone)]
+pub struct PrefixHasher {
+    /// Hashes model names.
+    model: KeyedHasher,
+    /// The model key of a body without a string `model`.
+    no_model: u64,
+    /// Initial lane values of every block.
+    lanes: [u64; LANES],
+    /// The "previous block hash" of a chain's first block, per domain.
+    domains: [u64; 3],
+}
+
+impl PrefixHasher {
+    /// Derives the keys from a seed of any length (the routing-key seed is a fine choice: the
+    /// derivation is domain-separated from routing-key hashes).
+    pub fn new(seed: &[u8]) -> Self {
+        let tagged = |tag: &[u8]| {
+            let mut s = seed.to_vec();
+            s.extend_from_slice(tag);
+            KeyedHasher::from_seed(&s)
+        };
+        let model = tagged(b"\0dp-affinity/prefix/model");
+        let derive = tagged(b"\0dp-affinity/prefix/keys");
+        let k = |i: u8| derive.hash(&[i]);
+        PrefixHasher {
+            model,
+            no_model: k(0),
+            lanes: [k(1), k(2), k(3), k(4)],
+            domains: [k(5), k(6), k(7)],
+        }
+    }
+
+    fn model_key(&self, model: Option<&[u8]>) -> u64 {
+        model.map_or(self.no_model, |m| self.model.hash(m))
+    }
+}
+
+/// One lane absorbing one word (see the module doc).
+#[inline(always)]
+fn step(lane: u64, w: u64) -> u64 {
+    let x = lane ^ w;
+    (x & 0xffff_ffff).wrapping_mul(x >> 32) ^ x.rotate_left(29)
+}
+
+#[inline(always)]
+fn stripe(lanes: &mut [u64; LANES], s: &[u8; STRIPE]) {
+    let (words, _) = s.as_chunks::<8>();
+    for (lane, w) in lanes.iter_mut().zip(words) {
+        *lane = step(*lane, u64::from_le_bytes(*w));
+    }
+}
+
+/// The chained block hashes of one request's canonical prompt.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Chain {
+    hashes: Vec<u64>,
+    capped: bool,
+}
+
+impl Chain {
+    /// Hash `i` covers blocks `0..=i` (and the model).
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
+
+    /// Number of full blocks hashed.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+
+    /// Whether the prompt reached `max_blocks` (the rest, if any, was not hashed).
+    pub fn capped(&self) -> bool {
+        self.capped
+    }
+}
+
+/// Streams the canonical prompt into block hashes.
+pub(crate) struct ChainBuilder<'h> {
+    h: &'h PrefixHasher,
+    text_block: usize,
+    token_block: usize,
+    max_blocks: usize,
+    /// `None` until a prompt member starts; stays `None` for a body without one.
+    domain: Option<Domain>,
+    /// The prompt has a shape the chain does not describe: no chain at all.
+    unusable: bool,
+    /// Bytes per block in the current domain (>= 1).
+    block_len: usize,
+    /// Bytes of the current block absorbed so far (< `block_len`).
+    filled: usize,
+    lanes: [u64; LANES],
+    /// A partial stripe: `carry[..ncarry]`.
+    carry: [u8; STRIPE],
+    ncarry: usize,
+    /// Hash of the previous block (the domain key before the first).
+    prev: u64,
+    hashes: Vec<u64>,
+}
+
+impl<'h> ChainBuilder<'h> {
+    pub(crate) fn new(h: &'h PrefixHasher, cfg: &PrefixConfig) -> Self {
+        ChainBuilder {
+            h,
+            text_block: cfg.block_bytes.clamp(1, MAX_BLOCK_BYTES) as usize,
+            token_block: 4 * cfg.block_tokens.clamp(1, MAX_BLOCK_TOKENS) as usize,
+            max_blocks: cfg.max_blocks(),
+            domain: None,
+            unusable: false,
+            block_len: 1,
+            filled: 0,
+            lanes: h.lanes,
+            carry: [0; STRIPE],
+            ncarry: 0,
+            prev: 0,
+            hashes: Vec::new(),
+        }
+    }
+
+    /// Forgets everything: a prompt member starts (again).
+    pub(crate) fn reset(&mut self) {
+        self.domain = None;
+        self.unusable = false;
+        self.hashes.clear();
+    }
+
+    pub(crate) fn begin(&mut self, domain: Domain) {
+        self.domain = Some(domain);
+        self.block_len = match domain {
+            Domain::Tokens => self.token_block,
+            Domain::Chat | Domain::Text => self.text_block,
+        };
+        self.filled = 0;
+        self.lanes = self.h.lanes;
+        self.ncarry = 0;
+        self.prev = self.h.domains[domain as usize];
+        if self.hashes.capacity() == 0 {
+            self.hashes.reserve_exact(self.max_blocks.min(256));
+        }
+    }
+
+    pub(crate) fn unusable(&mut self) {
+        self.unusable = true;
+    }
+
+    /// Whether more input can still change the chain.
+    #[inline]
+    pub(crate) fn active(&self) -> bool {
+        self.domain.is_some() && !self.unusable && self.hashes.len() < self.max_blocks
+    }
+
+    /// Appends bytes to the canonical stream.
+    pub(crate) fn feed(&mut self, mut data: &[u8]) {
+        while !data.is_empty() && self.active() {
+            let room = self.block_len.saturating_sub(self.filled).max(1);
+            let (now, rest) = data.split_at(room.min(data.len()));
+            self.absorb(now);
+            self.filled += now.len();
+            if self.filled >= self.block_len {
+                self.finish_block();
+            }
+            data = rest;
+        }
+    }
+
+    /// Appends one token id (as its 4 little-endian bytes).
+    #[inline(always)]
+    pub(crate) fn push_u32(&mut self, id: u32) {
+        // Token blocks are a multiple of 4 bytes, so a token never straddles a stripe or a block.
+        let fits = self.active() && self.block_len.saturating_sub(self.filled) >= 4;
+        let at = self.ncarry;
+        match self.carry.get_mut(at..at + 4) {
+            Some(dst) if fits => {
+                dst.copy_from_slice(&id.to_le_bytes());
+                self.ncarry += 4;
+                self.filled += 4;
+                if self.ncarry == STRIPE {
+                    let c = self.carry;
+                    stripe(&mut self.lanes, &c);
+                    self.ncarry = 0;
+                }
+                if self.filled >= self.block_len {
+                    self.finish_block();
+                }
+            }
+            _ => self.feed(&id.to_le_bytes()),
+        }
+    }
+
+    /// Absorbs bytes that all belong to the current block.
+    #[inline]
+    fn absorb(&mut self, mut d: &[u8]) {
+        if self.ncarry > 0 {
+            let take = (STRIPE - self.ncarry).min(d.len());
+            let (head, rest) = d.split_at(take);
+            if let Some(dst) = self.carry.get_mut(self.ncarry..self.ncarry + take) {
+                dst.copy_from_slice(head);
+            }
+            self.ncarry += take;
+            d = rest;
+            if self.ncarry < STRIPE {
+                return;
+            }
+            let c = self.carry;
+            stripe(&mut self.lanes, &c);
+            self.ncarry = 0;
+        }
+        let (stripes, rest) = d.as_chunks::<STRIPE>();
+        for s in stripes {
+            stripe(&mut self.lanes, s);
+        }
+        if let Some(dst) = self.carry.get_mut(..rest.len()) {
+            dst.copy_from_slice(rest);
+            self.ncarry = rest.len();
+        }
+    }
+
+    fn finish_block(&mut self) {
+        if self.ncarry > 0 {
+            if let Some(pad) = self.carry.get_mut(self.ncarry..) {
+                pad.fill(0);
+            }
+            let c = self.carry;
+            stripe(&mut self.lanes, &c);
+            self.ncarry = 0;
+        }
+        let mut h = self.prev;
+        for &lane in &self.lanes {
+            h = fmix64(h ^ lane);
+        }
+        self.hashes.push(h);
+        self.prev = h;
+        self.lanes = self.h.lanes;
+        self.filled = 0;
+    }
+
+    pub(crate) fn finish(mut self, model: Option<&[u8]>) -> Chain {
+        if self.unusable || self.domain.is_none() {
+            return Chain::default();
+        }
+        let key = self.h.model_key(model);
+        for h in &mut self.hashes {
+            *h = fmix64(*h ^ key);
+        }
+        let capped = self.hashes.len() >= self.max_blocks;
+        Chain {
+            hashes: self.hashes,
+            capped,
+        }
+    }
+}
+
+/// The hashing tests, and helpers the walker's and the index's tests share.
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn cfg(block_bytes: u32, block_tokens: u32, max_blocks: u32) -> PrefixConfig {
+        PrefixConfig {
+            block_bytes,
+            block_tokens,
+            max_blocks,
+            ..PrefixConfig::default()
+        }
+    }
+
+    pub(crate) fn hasher() -> PrefixHasher {
+        PrefixHasher::new(b"test-seed")
+    }
+
+    /// The chain of an explicit canonical stream, fed in one piece.
+    pub(crate) fn direct(
+        domain: Domain,
+        stream: &[u8],
+        model: Option<&str>,
+        c: &PrefixConfig,
+    ) -> Vec<u64> {
+        let h = hasher();
+        let mut b = ChainBuilder::new(&h, c);
+        b.begin(domain);
+        b.feed(stream);
+        b.finish(model.map(str::as_bytes)).hashes
+    }
+
+    pub(crate) fn ids(v: &[u32]) -> Vec<u8> {
+        v.iter().flat_map(|i| i.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn streaming_pieces_equal_one_piece() {
+        let h = hasher();
+        let data: Vec<u8> = (0..3000u32).map(|i| (i * 131 % 251) as u8).collect();
+        for block in [1, 7, 16, 31, 32, 33, 100, 512] {
+            let c = cfg(block, 4, 64);
+            let want = direct(Domain::Text, &data, None, &c);
+            assert_eq!(want.len(), (data.len() / block as usize).min(64));
+            let mut state = 12345u64;
+            for _ in 0..20 {
+                let mut b = ChainBuilder::new(&h, &c);
+                b.begin(Domain::Text);
+                let mut rest = &data[..];
+                while !rest.is_empty() {
+                    state = splitmix(state);
+                    let n = (state % 70) as usize;
+                    let (now, later) = rest.split_at(n.min(rest.len()));
+                    b.feed(now);
+                    rest = later;
+                }
+                assert_eq!(b.finish(None).hashes, want, "block {block}");
+            }
+        }
+        // Token ids pushed one at a time equal their bytes fed at once.
+        for tokens in [1, 2, 3, 8, 9, 64] {
+            let c = cfg(16, tokens, 64);
+            let v: Vec<u32> = (0..500).map(|i| i * 7919).collect();
+            let mut b = ChainBuilder::new(&h, &c);
+            b.begin(Domain::Tokens);
+            for &id in &v {
+                b.push_u32(id);
+            }
+            assert_eq!(
+                b.finish(None).hashes,
+                direct(Domain::Tokens, &ids(&v), None, &c)
+            );
+        }
+    }
+
+    #[test]
+    fn every_bit_of_a_block_matters() {
+        let c = cfg(64, 4, 8);
+        let base: Vec<u8> = (0..128u8).collect();
+        let want = direct(Domain::Text, &base, None, &c);
+        let mut seen = std::collections::HashSet::new();
+        for byte in 0..64 {
+            for bit in 0..8 {
+                let mut x = base.clone();
+                x[byte] ^= 1 << bit;
+                let got = direct(Domain::Text, &x, None, &c);
+                assert_ne!(got[0], want[0], "byte {byte} bit {bit}");
+                assert_ne!(got[1], want[1], "chained: the next block changes too");
+                assert!(seen.insert(got[0]));
+            }
+        }
+        // Swapping two words (same lane or not) changes the hash: the lanes are order-sensitive.
+        for (a, b) in [(0, 32), (0, 8), (8, 40)] {
+            let mut x = base.clone();
+            for i in 0..8 {
+                x.swap(a + i, b + i);
+            }
+            assert_ne!(direct(Domain::Text, &x, None, &c)[0], want[0]);
+        }
+        // No collisions among many near-identical blocks.
+        let mut seen = std::collections::HashSet::new();
+        for n in 0..100_000u32 {
+            let mut x = [b' '; 64];
+            x[..10].copy_from_slice(format!("{n:010}").as_bytes());
+            assert!(seen.insert(direct(Domain::Text, &x, None, &c)[0]));
+        }
+    }
+
+    pub(crate) fn splitmix(mut x: u64) -> u64 {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    }
+}

@@ -1,0 +1,813 @@
+//! Prefix-aware placement without a routing key: the request's canonical prompt is cut
+//! into fixed-size blocks hashed as a chain, and a second bounded table in shared data (the
+//! *prefix index*) maps chained block hashes to the rank that served them. A request whose leading
+//! blocks are in the index can go where that prefix is already cached.
+//!
+//! Pure core: nothing here touches the host. The caller (decision layer, host glue) builds a
+//! [`PrefixHasher`] and a [`PrefixIndex`] at configure time, runs [`scan_prompt`] (or
+//! [`prompt_chain`]) on the request body, [`PrefixIndex::longest_match`] when the prefix may
+//! decide, and [`PrefixIndex::record`] once the serving rank is known.
+//!
+//! Where it is wired: `config` reads the `prefix` section into a [`PrefixConfig`] and keys the
+//! [`PrefixHasher`] with `routing_key.hash_seed`; `extract::scan_body_and_prompt` runs
+//! [`scan_prompt`] with the body fields the filter wants (one pass); `decide::place` puts the
+//! match after the key's pin and before the assigner, and `decide::prefix_choice` applies the
+//! load bound to the matched rank (there is none in `assign.mode` `envoy`, which counts no
+//! requests in flight); the host records the chain under the serving rank and calls
+//! [`PrefixIndex::forget`] when that rank fails the request.
+//!
+//! The modules: `prompt` reads the canonical prompt out of the body, `chain` hashes it into
+//! chained block hashes, this one indexes them; `config_sections` holds [`PrefixConfig`].
+//!
+//! [`PrefixHasher`]: crate::chain::PrefixHasher
+//! [`scan_prompt`]: crate::prompt::scan_prompt
+//! [`prompt_chain`]: crate::prompt::prompt_chain
+//!
+//! # The index
+//!
+//! An [`AffinityTable`] with its own namespace: fixed buckets × ways of 16-byte entries (chained
+//! hash, rank, last use), LRU within a bucket, idle TTL, compare-and-swap writes. Memory is
+//! `buckets × ways × 16` bytes whatever the traffic (16 MiB by default).
+//!
+//! **Sparse positions.** Writing every block of every chain would cost one compare-and-swap
+//! (a shared-data read and a write, ~3.5 µs in Envoy) per block: 128 for a 64 KiB prompt. The
+//! index holds a chain only at *grid* positions: block counts `p >= min_match_blocks` whose binary
+//! form has at most `grid_bits` significant bits (1, 2, 3, 4, 6, 8, 12, 16, 24, ... for 2 bits),
+//! plus `max_blocks`, the length every long prompt ends at. With the defaults a chain has at most
+//! 14 grid positions: 1 2 3 4 6 8 12 16 24 32 48 64 96 128.
+//! - Precision: a match is reported at the deepest grid position the index holds, at least 2/3
+//!   of the true shared prefix (exact up to 4 blocks); 3 bits give 4/5 at 24 positions.
+//! - Writes: [`PrefixIndex::record`] writes only the grid positions beyond the match, bottom up
+//!   (a concurrent lookup never sees a position without those below it): up to 14 for a new
+//!   64 KiB prompt; for a conversation's next turn usually none, one when it crosses a grid
+//!   position, so at most 14 over its whole life (instead of one per block per turn).
+//! - Reads: chains are prefix-closed (a position is written only after the ones below it), so
+//!   presence is monotone over the grid and [`PrefixIndex::longest_match`] searches it: the
+//!   deepest position first (1 read: every turn of a conversation that did not cross a grid
+//!   position, and every repeat of a capped prompt), then the next one down (2 reads: a turn
+//!   that crossed one), then the shallowest (3 reads: a prompt sharing nothing), then a binary
+//!   search in between: at most `3 + ceil(log2(t - 2))` reads for `t` grid positions, 7 with the
+//!   defaults. Looking at the top first also keeps the search on entries that are fresh: those a
+//!   conversation's last turns wrote or refreshed.
+//! - Freshness: every entry the search finds is refreshed in the same step when older than
+//!   `refresh_seconds` (one write with the compare-and-swap token of the read just made, as the
+//!   affinity table does), so the entries that routing actually uses stay recent for the LRU and
+//!   the TTL, and entries nobody matches age out. An evicted or expired entry below live ones
+//!   only shortens a match if the search happens to probe it, and the next record rewrites it.
+//!
+//! Each hash maps to one rank: the last to record a position beyond what it matched. A request
+//! placed elsewhere than its match (the matched rank was full) records only the positions beyond
+//! the match, so a position keeps pointing at a rank that holds at least that prefix.
+//!
+//! # Shared prefixes and a conversation's own history
+//!
+//! A match means two different things. A conversation's next turn matches the deepest position
+//! its previous turn recorded: moving it elsewhere recomputes its whole history. A new prompt that
+//! opens with a popular system prompt or document matches where that prefix ends: every rank can
+//! compute it once and then serve it, and sending all such prompts to the rank that happened to
+//! see the prefix first would pile them up there. The index tells them apart with one flag per
+//! entry: when a request records positions beyond its match, the matched position is marked
+//! *branched* (a prompt went on past it). A later request whose match stops at a branched
+//! position is therefore not that prompt's continuation (it would have matched deeper) but
+//! another prompt sharing the prefix; `decide::prefix_choice` places it by load among equally
+//! good ranks (`prefix.shared_slack`). A conversation's own turns keep matching unmarked
+//! positions: each turn marks the position it matched, and the next turn matches deeper.
+//! Ranks that served a request sharing a position, other than the position's own, are
+//! remembered in the same flags (*holders*, ranks 0–14), so a shared prefix goes to the least
+//! loaded rank already holding it before it is copied to yet another one.
+
+use std::cell::Cell;
+
+use crate::config_sections::PrefixConfig;
+use crate::table::{
+    holder_flag, AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED,
+};
+
+/// What [`PrefixIndex::longest_match`] found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Match {
+    /// Leading blocks of the chain found in the index (a grid position; 0 = none). A lower bound
+    /// of the true shared prefix, to the grid's precision; never below `min_match_blocks` when
+    /// non-zero.
+    pub blocks: usize,
+    /// The rank recorded at that position (always in `0..dp_size`); `None` = no match.
+    pub rank: Option<u32>,
+    /// The position is marked branched: another prompt already continued past it, so this
+    /// request shares only this prefix with others (a system prompt, a document) and is not that
+    /// prompt's next turn.
+    pub branched: bool,
+    /// Holder flags of that position ([`holder_flag`]): other ranks known to hold the prefix too
+    /// (requests sharing it were served there).
+    pub holders: u16,
+    /// Store reads made.
+    pub reads: u32,
+    /// Store writes made (refreshes of found entries older than `refresh_seconds`).
+    pub refreshes: u32,
+}
+
+/// The prefix index over a store. Cheap to build once per configuration.
+#[derive(Debug, Clone)]
+pub struct PrefixIndex {
+    table: AffinityTable,
+    /// Indexed positions (block counts), ascending.
+    grid: Vec<u32>,
+}
+
+impl PrefixIndex {
+    pub fn new(cfg: &PrefixConfig) -> Self {
+        let max = cfg.max_blocks() as u32;
+        let min = cfg.min_match_blocks.max(1);
+        let bits = cfg.grid_bits.clamp(1, 32);
+        let grid = (min..=max)
+            .filter(|&p| p == max || on_grid(p, bits))
+            .collect();
+        PrefixIndex {
+            table: AffinityTable::new(cfg.table.clone()),
+            grid,
+        }
+    }
+
+    /// The table underneath (for `ensure_buckets` at configure time).
+    pub fn table(&self) -> &AffinityTable {
+        &self.table
+    }
+
+    /// Every indexed position (block count), ascending.
+    pub fn grid(&self) -> &[u32] {
+        &self.grid
+    }
+
+    /// Indexed positions of a chain of `len` blocks.
+    fn positions(&self, len: usize) -> &[u32] {
+        let n = self.grid.partition_point(|&p| p as usize <= len);
+        self.grid.get(..n).unwrap_or(&[])
+    }
+
+    /// The deepest indexed position of `chain` present in the index on a rank in `0..dp_size`,
+    /// searched as the module doc describes. Found entries older than `refresh_seconds` are
+    /// refreshed (one write each, with the token of the read).
+    pub fn longest_match(&self, store: &dyn Store, chain: &[u64], now: u32, dp_size: u32) -> Match {
+        let counting = CountingStore::new(store);
+        let pos = self.positions(chain.len());
+        let found = search(pos.len(), |i| {
+            let h = *chain.get(*pos.get(i)? as usize - 1)?;
+            match self.table.lookup_flagged(&counting, h, now, dp_size) {
+                (Lookup::Hit { rank }, flags) => Some((rank, flags)),
+                (Lookup::Miss | Lookup::Undecodable, _) => None,
+            }
+        });
+        Match {
+            blocks: found
+                .and_then(|(i, _)| pos.get(i))
+                .map_or(0, |&p| p as usize),
+            rank: found.map(|(_, (rank, _))| rank),
+            branched: found.is_some_and(|(_, (_, flags))| flags & FLAG_BRANCHED != 0),
+            holders: found.map_or(0, |(_, (_, flags))| flags & !FLAG_BRANCHED),
+            reads: counting.reads.get(),
+            refreshes: counting.writes.get(),
+        }
+    }
+
+    /// Records `chain` under `rank`: writes the indexed positions beyond `matched` (the lookup's
+    /// result for this chain; `Match::default()` if none was made), bottom up. When it writes
+    /// any, the matched position is marked branched (once): this prompt went on past it, so a
+    /// later request whose match stops there is a different prompt sharing that prefix. Served
+    /// elsewhere than the match's rank, `rank` is added to the matched position's holders.
+    pub fn record(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        now: u32,
+        matched: &Match,
+    ) -> TableEvents {
+        let mut events = TableEvents::default();
+        let mut wrote = false;
+        for &p in self.positions(chain.len()) {
+            if p as usize <= matched.blocks {
+                continue;
+            }
+            if let Some(&h) = chain.get(p as usize - 1) {
+                let pinned = self.table.pin(store, h, rank, now);
+                events.add(pinned);
+                // A write lost to a race recorded nothing: the prompt did not go on past the
+                // match as far as the index knows, so the match must not become branched.
+                wrote |= pinned.cas_exhausted == 0;
+            }
+        }
+        let flags = marks_needed(matched, rank, wrote);
+        if flags != 0 {
+            if let Some(&h) = matched.blocks.checked_sub(1).and_then(|i| chain.get(i)) {
+                events.add(self.table.mark(store, h, flags, now));
+            }
+        }
+        events
+    }
+
+    /// The request's *anchor*: a hash every Envoy replica derives the same from the request and
+    /// the shared part of its prompt, naming the conversation rather than what it shares with
+    /// others. It is the chain's hash at the first indexed position past a branched match (the
+    /// prefix other prompts share: a system prompt, a document), so it covers the first block of
+    /// the prompt's own part, which every later turn of the conversation repeats. With an
+    /// unbranched match or none, the first position past the match stands in for it (the index
+    /// does not know yet what is shared). `None`: an empty chain.
+    pub fn anchor(&self, chain: &[u64], matched: &Match) -> Option<u64> {
+        let last = chain.len().checked_sub(1)?;
+        let next = self
+            .grid
+            .iter()
+            .map(|&p| p as usize)
+            .find(|&p| p > matched.blocks)
+            .unwrap_or(chain.len());
+        chain.get(next.min(last + 1) - 1).copied()
+    }
+
+    /// How many positions [`record`](Self::record) would write.
+    pub fn writes_needed(&self, chain_len: usize, matched: &Match) -> usize {
+        self.positions(chain_len)
+            .iter()
+            .filter(|&&p| p as usize > matched.blocks)
+            .count()
+    }
+
+    /// After `rank` failed this request: removes the matched positions that still point at it,
+    /// top down, so the next request sharing the prefix is placed afresh. Entries re-pointed
+    /// elsewhere since are kept. One read per position up to the match, a write per removal.
+    pub fn forget(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        matched: &Match,
+    ) -> TableEvents {
+        let mut events = TableEvents::default();
+        if matched.rank != Some(rank) {
+            return events;
+        }
+        for &p in self.positions(matched.blocks.min(chain.len())).iter().rev() {
+            if let Some(&h) = chain.get(p as usize - 1) {
+                events.add(self.table.unpin(store, h, rank).1);
+            }
+        }
+        events
+    }
+}
+
+/// The flags recording under `rank` adds to the matched position (0: none): branched when the
+/// prompt went on past it, `rank` as a holder when it is not the position's rank.
+fn marks_needed(matched: &Match, rank: u32, wrote: bool) -> u16 {
+    let Some(own) = matched.rank.filter(|_| matched.blocks > 0) else {
+        return 0;
+    };
+    let mut flags = 0;
+    if wrote && !matched.branched {
+        flags |= FLAG_BRANCHED;
+    }
+    if own != rank {
+        flags |= holder_flag(rank) & !matched.holders;
+    }
+    flags
+}
+
+/// Whether `p` has at most `bits` significant bits.
+fn on_grid(p: u32, bits: u32) -> bool {
+    let len = 32 - p.leading_zeros();
+    len <= bits || p.trailing_zeros() >= len - bits
+}
+
+/// The deepest present index in `0..t`, presence being monotone (present up to some index,
+/// absent above), with `probe(i)` returning the rank stored at index `i`. Order: the top, the
+/// one below, the bottom, then a binary search between the bottom and the one below the top.
+fn search<T: Copy>(t: usize, mut probe: impl FnMut(usize) -> Option<T>) -> Option<(usize, T)> {
+    let top = t.checked_sub(1)?;
+    if let Some(rank) = probe(top) {
+        return Some((top, rank));
+    }
+    let below = top.checked_sub(1)?;
+    if let Some(rank) = probe(below) {
+        return Some((below, rank));
+    }
+    if below == 0 {
+        return None;
+    }
+    let mut best = (0, probe(0)?);
+    // Invariant: `lo` present (its rank in `best`), `hi` absent.
+    let (mut lo, mut hi) = (0, below);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match probe(mid) {
+            Some(rank) => {
+                best = (mid, rank);
+                lo = mid;
+            }
+            None => hi = mid,
+        }
+    }
+    Some(best)
+}
+
+/// A store that counts the calls made through it (the index's reads and writes, for `Match`, the
+/// host's counters and the tests).
+pub struct CountingStore<'s> {
+    inner: &'s dyn Store,
+    reads: Cell<u32>,
+    writes: Cell<u32>,
+}
+
+impl<'s> CountingStore<'s> {
+    pub fn new(inner: &'s dyn Store) -> Self {
+        CountingStore {
+            inner,
+            reads: Cell::new(0),
+            writes: Cell::new(0),
+        }
+    }
+
+    /// Reads made through this store so far.
+    pub fn reads(&self) -> u32 {
+        self.reads.get()
+    }
+
+    /// Writes made through this store so far.
+    pub fn writes(&self) -> u32 {
+        self.writes.get()
+    }
+}
+
+impl Store for CountingStore<'_> {
+    fn get(&self, key: &str) -> Stored {
+        self.reads.set(self.reads.get() + 1);
+        self.inner.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.writes.set(self.writes.get() + 1);
+        self.inner.set(key, value, cas)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::tests::{hasher, splitmix};
+    use crate::config_sections::MAX_BLOCKS_LIMIT;
+    use crate::prompt::{prompt_chain, Api};
+    use crate::table::tests::MemStore;
+    use serde_json::json;
+
+    /// Out-of-range values never panic: they are clamped (the checks are
+    /// `config_sections::tests::prefix_config_defaults_and_validation`).
+    #[test]
+    fn out_of_range_config_is_clamped() {
+        let wild = PrefixConfig {
+            block_bytes: 0,
+            block_tokens: u32::MAX,
+            max_blocks: u32::MAX,
+            min_match_blocks: 0,
+            grid_bits: 99,
+            ..PrefixConfig::default()
+        };
+        let body = br#"{"prompt":"abcdefghijklmnopqrstuvwxyz","input_ids":[1,2]}"#;
+        for api in [Api::Completions, Api::Generate] {
+            assert!(prompt_chain(body, api, &wild, &hasher()).is_ok());
+        }
+        assert_eq!(
+            PrefixIndex::new(&wild).grid().len(),
+            MAX_BLOCKS_LIMIT as usize
+        );
+    }
+
+    fn index_cfg(buckets: u32, ways: u32) -> PrefixConfig {
+        let mut c = PrefixConfig::default();
+        c.table.buckets = buckets;
+        c.table.ways = ways;
+        c.table.ttl_seconds = 100;
+        c
+    }
+
+    /// A random chain of `len` hashes; `shared` leading ones taken from `base`.
+    fn random_chain(tag: u64, len: usize, base: &[u64], shared: usize) -> Vec<u64> {
+        (0..len)
+            .map(|i| match base.get(i) {
+                Some(&h) if i < shared => h,
+                _ => splitmix(tag.wrapping_mul(1_000_003) ^ i as u64),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn default_grid() {
+        let idx = PrefixIndex::new(&PrefixConfig::default());
+        assert_eq!(
+            idx.grid(),
+            [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+        );
+        let three = PrefixIndex::new(&PrefixConfig {
+            grid_bits: 3,
+            min_match_blocks: 5,
+            max_blocks: 100,
+            ..PrefixConfig::default()
+        });
+        assert_eq!(
+            three.grid(),
+            [5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 100]
+        );
+    }
+
+    #[test]
+    fn longest_match_finds_the_deepest_recorded_position() {
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
+        idx.table().ensure_buckets(&s);
+        let a = random_chain(1, 100, &[], 0);
+        idx.record(&s, &a, 2, 1000, &Match::default());
+        let b = random_chain(2, 20, &[], 0);
+        idx.record(&s, &b, 3, 1000, &Match::default());
+        for len in [1, 2, 5, 20, 50, 100, 128] {
+            for shared in [0, 1, 3, 7, 16, 47, 64, 99, 100] {
+                let q = random_chain(1000 + shared as u64, len, &a, shared);
+                let m = idx.longest_match(&s, &q, 1001, 4);
+                let reach = shared.min(len).min(100);
+                let want = idx.grid().iter().rev().find(|&&p| p as usize <= reach);
+                assert_eq!(
+                    m.blocks,
+                    want.map_or(0, |&p| p as usize),
+                    "len {len} shared {shared}"
+                );
+                assert_eq!(m.rank, want.map(|_| 2));
+            }
+        }
+        let m = idx.longest_match(&s, &b, 1001, 4);
+        assert_eq!((m.blocks, m.rank, m.reads), (16, Some(3), 1));
+        // Another chain sharing 30 blocks of `a`, recorded on rank 1 beyond its match: deeper
+        // positions go to rank 1, shallower ones keep rank 2.
+        let c = random_chain(3, 60, &a, 30);
+        let m = idx.longest_match(&s, &c, 1002, 4);
+        assert_eq!((m.blocks, m.rank), (24, Some(2)));
+        assert_eq!(idx.writes_needed(c.len(), &m), 2); // 32 48 (and not 64: only 60 blocks)
+        idx.record(&s, &c, 1, 1002, &m);
+        assert_eq!(idx.longest_match(&s, &c, 1003, 4).rank, Some(1));
+        assert_eq!(idx.longest_match(&s, &a[..30], 1003, 4).rank, Some(2));
+    }
+
+    #[test]
+    fn absent_out_of_range_and_expired_read_as_no_match() {
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
+        let a = random_chain(1, 128, &[], 0);
+        let m = idx.longest_match(&s, &a, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.reads, m.refreshes), (0, None, 3, 0));
+        assert_eq!(idx.longest_match(&s, &[], 1000, 4), Match::default());
+        idx.record(&s, &a, 5, 1000, &m);
+        assert_eq!(idx.longest_match(&s, &a, 1000, 4).rank, None, "rank 5 of 4");
+        assert_eq!(idx.longest_match(&s, &a, 1000, 8).rank, Some(5));
+        // Idle past the TTL (100 s here): gone. Used within it: kept alive by the refresh.
+        let b = random_chain(2, 128, &[], 0);
+        idx.record(&s, &b, 1, 1000, &Match::default());
+        let used = idx.longest_match(&s, &b, 1090, 4);
+        assert_eq!((used.rank, used.refreshes), (Some(1), 1));
+        assert_eq!(idx.longest_match(&s, &b, 1180, 4).rank, Some(1));
+        assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
+    }
+
+    #[test]
+    fn the_anchor_is_the_first_position_past_the_shared_part() {
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        let system = random_chain(1, 5, &[], 0);
+        let a = random_chain(2, 40, &system, 5);
+        let b = random_chain(3, 40, &system, 5);
+        // The system prompt (5 blocks) is indexed down to grid position 4, branched.
+        let shared = Match {
+            blocks: 4,
+            rank: Some(0),
+            branched: true,
+            ..Match::default()
+        };
+        // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
+        // include the prompt's own sixth block, differs between the two conversations...
+        assert_eq!(idx.anchor(&a, &shared), Some(a[5]));
+        assert_ne!(idx.anchor(&a, &shared), idx.anchor(&b, &shared));
+        // ...and stays the same for a later turn of the same conversation.
+        let a_next = random_chain(2, 60, &a, 40);
+        assert_eq!(idx.anchor(&a_next, &shared), idx.anchor(&a, &shared));
+        // A chain shorter than the next position: its last block. Empty: none.
+        assert_eq!(idx.anchor(&a[..5], &shared), Some(a[4]));
+        assert_eq!(idx.anchor(&[], &shared), None);
+        assert_eq!(idx.anchor(&a, &Match::default()), Some(a[0]));
+    }
+
+    #[test]
+    fn a_record_that_lost_its_deeper_writes_leaves_the_match_unbranched() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        idx.record(&s, &system, 0, 1000, &Match::default());
+        let b = random_chain(20, 13, &system, 8);
+        let m = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((m.blocks, m.branched), (8, false));
+        // The one deeper position's write loses every race (its retries included); the store
+        // would take the mark that follows.
+        let mut cfg = index_cfg(64, 16);
+        cfg.table.cas_retries = 2;
+        let idx = PrefixIndex::new(&cfg);
+        s.lose_races.set(3);
+        let events = idx.record(&s, &b, 0, 1000, &m);
+        assert_eq!((events.cas_exhausted, s.lose_races.get()), (1, 0));
+        let again = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((again.blocks, again.branched), (8, false));
+    }
+
+    #[test]
+    fn a_prompt_branching_from_a_shared_prefix_sees_it_branched() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        let conv = |tag, len| random_chain(tag, len, &system, 8);
+        // The first conversation records from scratch: nothing is branched yet.
+        let a1 = conv(10, 11);
+        idx.record(&s, &a1, 0, 1000, &Match::default());
+        // A second one matches the system prompt (8 blocks, on rank 0), unbranched: it may be the
+        // first one's continuation, as far as the index can tell.
+        let b = conv(20, 13);
+        let m = idx.longest_match(&s, &b, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), false));
+        // It went on past the match (recorded 12 under rank 1), so position 8 is now branched.
+        idx.record(&s, &b, 1, 1000, &m);
+        let c = conv(30, 12);
+        let m = idx.longest_match(&s, &c, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
+        // The first conversation's own 3 blocks past the system prompt reach no grid position
+        // (8, then 12): its next turn cannot be told from a new prompt, and what it can lose by
+        // being spread is those unindexed blocks.
+        let a2 = random_chain(10, 14, &a1, 11);
+        let m = idx.longest_match(&s, &a2, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
+        // Once its own part is indexed (12, recorded by this turn on rank 2), the next turn
+        // matches it, unbranched, and so does every later one.
+        idx.record(&s, &a2, 2, 1000, &m);
+        let a3 = random_chain(10, 20, &a2, 14);
+        let m = idx.longest_match(&s, &a3, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (12, Some(2), false));
+        idx.record(&s, &a3, 2, 1000, &m);
+        let a4 = random_chain(10, 30, &a3, 20);
+        let m = idx.longest_match(&s, &a4, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
+    }
+
+    #[test]
+    fn ranks_serving_a_shared_prefix_become_its_holders() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 8, &[], 0);
+        let conv = |tag| random_chain(tag, 13, &system, 8);
+        idx.record(&s, &conv(10), 0, 1000, &Match::default());
+        let m = idx.longest_match(&s, &conv(20), 1000, 4);
+        idx.record(&s, &conv(20), 0, 1000, &m);
+        // Branched now; a third prompt served on rank 2 makes rank 2 a holder of position 8.
+        let m = idx.longest_match(&s, &conv(30), 1000, 4);
+        assert_eq!((m.rank, m.branched, m.holders), (Some(0), true, 0));
+        let writes = |chain: &[u64], m: &Match, rank| {
+            let counted = CountingStore::new(&s);
+            idx.record(&counted, chain, rank, 1000, m);
+            counted.writes()
+        };
+        assert_eq!(
+            writes(&conv(30), &m, 2),
+            2,
+            "position 12, and the holder flag"
+        );
+        let m = idx.longest_match(&s, &conv(40), 1000, 4);
+        assert_eq!(
+            (m.rank, m.branched, m.holders),
+            (Some(0), true, holder_flag(2))
+        );
+        // Served on a rank already known (or the entry's own): nothing to add.
+        let m2 = Match { blocks: 8, ..m };
+        let short = &conv(40)[..8];
+        assert_eq!(writes(short, &m2, 2), 0);
+        assert_eq!(writes(short, &m2, 0), 0);
+        assert_eq!(writes(short, &m2, 3), 1, "a new holder: one mark");
+        // Ranks from 15 on have no holder flag: nothing to write for them either.
+        assert_eq!(writes(short, &m2, 15), 0);
+    }
+
+    #[test]
+    fn record_writes_only_what_changed() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let counted = CountingStore::new(&s);
+        let conv = random_chain(1, 128, &[], 0);
+        let mut now = 1000;
+        let mut total_writes = 0;
+        let mut marks = 0;
+        let mut prev = 0;
+        // A conversation growing by 3 blocks a turn, from 5 blocks to the cap and beyond.
+        for len in (5..=140).step_by(3) {
+            let turn = &conv[..len.min(128)];
+            now += 10;
+            counted.writes.set(0);
+            let m = idx.longest_match(&counted, turn, now, 4);
+            assert_eq!(counted.writes.get(), m.refreshes);
+            let crossed = idx
+                .grid()
+                .iter()
+                .filter(|&&p| prev < p as usize && p as usize <= turn.len())
+                .count();
+            if prev > 0 {
+                assert_eq!(m.rank, Some(1));
+                match crossed {
+                    0 => assert_eq!(m.reads, 1, "len {len}"),
+                    1 => assert_eq!(m.reads, 2, "len {len}"),
+                    _ => assert!(m.reads <= 7),
+                }
+            }
+            prev = turn.len();
+            // The conversation's own turns never match a branched position: each one marks the
+            // position it matched, and the next one matches deeper.
+            assert!(!m.branched, "len {len}");
+            counted.writes.set(0);
+            idx.record(&counted, turn, 1, now, &m);
+            let needed = idx.writes_needed(turn.len(), &m);
+            let mark = usize::from(needed > 0 && m.blocks > 0);
+            assert_eq!(counted.writes.get() as usize, needed + mark);
+            total_writes += needed;
+            marks += mark;
+        }
+        assert_eq!(
+            total_writes, 14,
+            "each grid position written once over the conversation"
+        );
+        // Turns after the first that crossed grid positions (at 8, 14, 17, 26, 32, 50, 65, 98
+        // and 128 blocks) each marked the position they matched: one write more apiece.
+        assert_eq!(
+            marks, 9,
+            "every turn that went past its match marked it, once"
+        );
+        // Fully matched: nothing to write.
+        let m = idx.longest_match(&counted, &conv, now, 4);
+        counted.writes.set(0);
+        idx.record(&counted, &conv, 1, now, &m);
+        assert_eq!(counted.writes.get(), 0);
+    }
+
+    #[test]
+    fn search_reads_are_logarithmic_and_exact() {
+        for t in 0..=70usize {
+            let bound = if t <= 2 {
+                t
+            } else {
+                3 + (usize::BITS - (t - 3).leading_zeros()) as usize
+            };
+            for present in 0..=t {
+                let mut probes = 0;
+                let got = search(t, |i| {
+                    probes += 1;
+                    assert!(i < t);
+                    (i < present).then_some(i as u32)
+                });
+                let want = present.checked_sub(1).map(|i| (i, i as u32));
+                assert_eq!(got, want, "t {t} present {present}");
+                assert!(
+                    probes <= bound,
+                    "t {t} present {present}: {probes} > {bound}"
+                );
+                if present == t && t > 0 {
+                    assert_eq!(probes, 1, "top first");
+                }
+            }
+        }
+        // Over a real index: at most 7 reads for the default 14 positions.
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
+        let a = random_chain(1, 128, &[], 0);
+        idx.record(&s, &a, 0, 1000, &Match::default());
+        let worst = (0..=128)
+            .map(|shared| {
+                let q = random_chain(7 + shared as u64, 128, &a, shared);
+                idx.longest_match(&s, &q, 1000, 4).reads
+            })
+            .max();
+        assert_eq!(worst, Some(7));
+    }
+
+    #[test]
+    fn memory_stays_bounded_over_many_chains() {
+        let (buckets, ways) = (256, 8);
+        let (s, idx) = (
+            MemStore::default(),
+            PrefixIndex::new(&index_cfg(buckets, ways)),
+        );
+        idx.table().ensure_buckets(&s);
+        let mut evictions = 0;
+        let len = |n: u64| 1 + (splitmix(n) % 5) as usize;
+        for n in 0..100_000u64 {
+            let c = random_chain(n, len(n), &[], 0);
+            let m = if n % 64 == 0 {
+                idx.longest_match(&s, &c, 1000, 4)
+            } else {
+                Match::default()
+            };
+            evictions += idx.record(&s, &c, (n % 4) as u32, 1000, &m).evictions;
+        }
+        assert!(evictions > 100_000);
+        assert!(s.total_bytes() <= (buckets * ways * 16) as usize + 1);
+        // The most recent chain survives.
+        let last = random_chain(99_999, len(99_999), &[], 0);
+        assert_eq!(idx.longest_match(&s, &last, 1000, 4).rank, Some(3));
+    }
+
+    /// The index's bound, with real prompts as the filter sees them: 100,000 distinct chat bodies
+    /// (hashed by the walker, looked up, recorded under a rank, as the host does) leave the
+    /// index at `buckets × ways × 16` bytes, and the newest prompts are still found.
+    #[test]
+    fn hundred_thousand_distinct_prompts_leave_the_index_at_its_bound() {
+        let mut c = index_cfg(128, 4);
+        c.block_bytes = 32;
+        c.max_blocks = 8;
+        let (s, idx, h) = (MemStore::default(), PrefixIndex::new(&c), hasher());
+        idx.table().ensure_buckets(&s);
+        let bound = 128 * 4 * 16; // bytes of entries; the store also holds a 1-byte marker
+        let body = |n: u32| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"prompt {n}: {}"}}]}}"#,
+                "tell me more about it. ".repeat(1 + (n % 12) as usize)
+            )
+        };
+        let (mut evictions, mut written) = (0u64, 0u64);
+        for n in 0..100_000u32 {
+            let chain = prompt_chain(body(n).as_bytes(), Api::Chat, &c, &h).unwrap();
+            assert!(!chain.is_empty());
+            let m = idx.longest_match(&s, chain.hashes(), 1000, 4);
+            written += idx.writes_needed(chain.len(), &m) as u64;
+            evictions += u64::from(idx.record(&s, chain.hashes(), n % 4, 1000, &m).evictions);
+            if n % 10_000 == 0 {
+                assert!(
+                    s.total_bytes() <= bound + 1,
+                    "after {n}: {}",
+                    s.total_bytes()
+                );
+            }
+        }
+        assert!(
+            s.total_bytes() <= bound + 1,
+            "{} > {bound}",
+            s.total_bytes()
+        );
+        assert!(written > 300_000, "{written}");
+        // Every entry written was new: it took a free way or evicted the bucket's oldest.
+        let live = (s.total_bytes() as u64 - 1) / 16;
+        assert_eq!(
+            written,
+            evictions + live,
+            "{written} written, {evictions} evicted"
+        );
+        assert!(live > 400, "the index is used: {live} live entries");
+        // The last prompt is still there, the first long gone.
+        let last = prompt_chain(body(99_999).as_bytes(), Api::Chat, &c, &h).unwrap();
+        assert_eq!(idx.longest_match(&s, last.hashes(), 1000, 4).rank, Some(3));
+        let first = prompt_chain(body(0).as_bytes(), Api::Chat, &c, &h).unwrap();
+        assert_eq!(idx.longest_match(&s, first.hashes(), 1000, 4).rank, None);
+    }
+
+    #[test]
+    fn forget_removes_what_pointed_at_the_failed_rank() {
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
+        let a = random_chain(1, 40, &[], 0);
+        idx.record(&s, &a, 2, 1000, &Match::default());
+        let m = idx.longest_match(&s, &a, 1000, 4);
+        assert_eq!(m.rank, Some(2));
+        // Another rank failing changes nothing.
+        idx.forget(&s, &a, 1, &m);
+        assert_eq!(idx.longest_match(&s, &a, 1000, 4).rank, Some(2));
+        idx.forget(&s, &a, 2, &m);
+        let after = idx.longest_match(&s, &a, 1000, 4);
+        assert_eq!((after.blocks, after.rank), (0, None));
+    }
+
+    #[test]
+    fn prompts_end_to_end_through_the_index() {
+        let c = PrefixConfig::default();
+        let (s, idx, h) = (MemStore::default(), PrefixIndex::new(&c), hasher());
+        let conv = |turns: usize| {
+            let mut msgs = vec![json!({"role":"system","content":"Be helpful. ".repeat(100)})];
+            for i in 0..turns {
+                msgs.push(json!({"role":"user","content":format!("Question {i}? ").repeat(60)}));
+                msgs.push(json!({"role":"assistant","content":format!("Answer {i}. ").repeat(80)}));
+            }
+            json!({"model":"llama","messages":msgs}).to_string()
+        };
+        let t1 = prompt_chain(conv(1).as_bytes(), Api::Chat, &c, &h).unwrap();
+        let m = idx.longest_match(&s, t1.hashes(), 1000, 8);
+        assert_eq!(m.rank, None);
+        idx.record(&s, t1.hashes(), 6, 1001, &m);
+        let t2 = prompt_chain(conv(2).as_bytes(), Api::Chat, &c, &h).unwrap();
+        let m = idx.longest_match(&s, t2.hashes(), 1010, 8);
+        assert_eq!(m.rank, Some(6));
+        assert!(m.blocks * 3 >= t1.len() * 2, "{} of {}", m.blocks, t1.len());
+        // Another model shares nothing.
+        let other = conv(2).replace("llama", "mistral");
+        let o = prompt_chain(other.as_bytes(), Api::Chat, &c, &h).unwrap();
+        assert_eq!(idx.longest_match(&s, o.hashes(), 1010, 8).rank, None);
+    }
+}

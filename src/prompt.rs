@@ -1,0 +1,1182 @@
+//! Reading the prompt out of a request body: [`Api`] (where a body's prompt is, from the request
+//! path), and [`scan_prompt`] / [`prompt_chain`], which walk the body once and stream its
+//! canonical prompt into a [`Chain`] of block hashes (`chain`) for the prefix index
+//! (`prefix_index`, whose module doc tells how prefix placement fits together).
+//!
+//! # Canonical prompt
+//!
+//! A byte stream (or, for token ids, a stream of little-endian `u32`s), built from the body in
+//! one pass by API ([`Api`], from the request path):
+//! - chat completions: for each element of `messages`, in order: the role, `"`, the text content
+//!   (a string, or the `text` of every `{"type":"text"}` part of an array content, concatenated;
+//!   other parts and other members are ignored), `"`. Role and content are taken in that order
+//!   whatever their order in the message object;
+//! - completions (`prompt`) and SGLang `/generate` (`text`): a string as is; a list of strings
+//!   (a batch) as each string followed by `"`; a list of integers as token ids; a list of lists of
+//!   integers as each list followed by the separator id `u32::MAX`. `/generate`'s `input_ids`
+//!   is read the same way. Text and token prompts are separate hash domains, and chat is a third
+//!   (so a completions batch can never collide with a chat that renders to the same bytes).
+//!
+//! `"` is an unambiguous separator: it never appears unescaped inside a JSON string.
+//!
+//! **Strings are hashed as their raw JSON bytes**: escapes are not decoded. Decoding would cost a
+//! copy (or a branch per byte) of a prompt that may be megabytes, for no routing gain: a client
+//! resends its conversation with the same serialiser, so the same prompt arrives as the same
+//! bytes. The price is that two clients escaping the same text differently (`\u00e9` against `é`,
+//! as Python's `ensure_ascii` does) do not share entries: a missed sharing, never a wrong answer.
+//!
+//! The `model` member (anywhere in the object, raw bytes, last one wins) seeds the chain so that
+//! models never share entries. It may come after the prompt, so the walk hashes a
+//! model-independent chain and mixes the model into each block hash at the end (at most
+//! `max_blocks` values). A prompt member present twice: the last one wins, as in serde and
+//! Python; inside a message a duplicated `role` or `content` makes the prompt unusable.
+//!
+//! Only full blocks are hashed (`block_bytes` bytes of text, `block_tokens` ids): a partial last
+//! block identifies no cached prefix. Only the first `max_blocks` blocks are hashed; the walk
+//! then continues at the scanner's speed only to find `model`, the caller's wanted fields and the
+//! end of the body. A body that is not a well-formed JSON object is an error (the caller passes
+//! the request through); a well-formed body without a usable prompt (missing, empty, wrong shape,
+//! token ids that are not `u32`) gives an empty chain. No recursion: the walker follows only the
+//! fixed shapes above and skips everything else with the non-recursive scanner of `json_scan`,
+//! so 100,000 nested brackets cost no stack.
+//!
+//! [`scan_prompt`] also reports wanted top-level members exactly as
+//! [`json_scan::scan_top_level`](crate::json_scan::scan_top_level) does, so the body-field
+//! extraction and the chain can share one pass over the body.
+use crate::chain::{Chain, ChainBuilder, Domain, PrefixHasher};
+use crate::config_sections::PrefixConfig;
+use crate::json_scan::{ScanError, Scanner, Value};
+
+// ---------------------------------------------------------------------------------------------
+// APIs
+// ---------------------------------------------------------------------------------------------
+
+/// Which request shape the body has, hence where its prompt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// OpenAI chat completions: `messages`.
+    Chat,
+    /// OpenAI completions: `prompt`.
+    Completions,
+    /// SGLang native `/generate`: `text` or `input_ids`.
+    Generate,
+}
+
+impl Api {
+    /// The API of a request path (`:path`, query ignored): `.../chat/completions`,
+    /// `.../completions` or `.../generate`. `None`: no prompt the filter knows how to read.
+    pub fn from_path(path: &[u8]) -> Option<Api> {
+        let end = path
+            .iter()
+            .position(|&c| c == b'?' || c == b'#')
+            .unwrap_or(path.len());
+        let mut p = &path[..end];
+        while let [rest @ .., b'/'] = p {
+            p = rest;
+        }
+        if p.ends_with(b"/chat/completions") {
+            Some(Api::Chat)
+        } else if p.ends_with(b"/completions") {
+            Some(Api::Completions)
+        } else if p.ends_with(b"/generate") {
+            Some(Api::Generate)
+        } else {
+            None
+        }
+    }
+
+    fn is_prompt_field(self, name: &[u8]) -> bool {
+        match self {
+            Api::Chat => name == b"messages",
+            Api::Completions => name == b"prompt",
+            Api::Generate => name == b"text" || name == b"input_ids",
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The canonical stream's separators
+// ---------------------------------------------------------------------------------------------
+
+/// Separates roles, contents and batch elements in the canonical text stream.
+const SEP: u8 = b'"';
+/// Separates the lists of a batch of token-id prompts (never a real token id).
+const SEP_TOKEN: u32 = u32::MAX;
+
+// ---------------------------------------------------------------------------------------------
+// The walk
+// ---------------------------------------------------------------------------------------------
+
+/// The chain of `body`'s canonical prompt. `Err` when the body is not a well-formed JSON object.
+pub fn prompt_chain(
+    body: &[u8],
+    api: Api,
+    cfg: &PrefixConfig,
+    hasher: &PrefixHasher,
+) -> Result<Chain, ScanError> {
+    scan_prompt(body, api, cfg, hasher, &[], |_, _| {})
+}
+
+/// [`prompt_chain`] that also reports the top-level members named in `wanted`, exactly as
+/// [`scan_top_level`](crate::json_scan::scan_top_level) would (same values, document order,
+/// duplicates each time), in the same single pass over the body.
+pub fn scan_prompt<'a>(
+    body: &'a [u8],
+    api: Api,
+    cfg: &PrefixConfig,
+    hasher: &PrefixHasher,
+    wanted: &[&str],
+    mut found: impl FnMut(usize, Value<'a>),
+) -> Result<Chain, ScanError> {
+    let mut s = Scanner { b: body, i: 0 };
+    let mut chain = ChainBuilder::new(hasher, cfg);
+    let mut model: Option<(usize, usize)> = None;
+    s.skip_ws();
+    if s.peek() != Some(b'{') {
+        return Err(ScanError::NotAnObject);
+    }
+    s.i += 1;
+    s.skip_ws();
+    if s.peek() == Some(b'}') {
+        s.i += 1;
+    } else {
+        loop {
+            let name = member_name(&mut s)?;
+            let start = s.i;
+            if name.as_ref() == b"model" {
+                model = if s.peek() == Some(b'"') {
+                    Some(string_span(&mut s)?)
+                } else {
+                    s.skip_value()?;
+                    None
+                };
+            } else if api.is_prompt_field(&name) {
+                chain.reset();
+                match api {
+                    Api::Chat => walk_messages(&mut s, &mut chain)?,
+                    Api::Completions | Api::Generate => walk_text_or_ids(&mut s, &mut chain)?,
+                }
+            }
+            match wanted.iter().position(|w| w.as_bytes() == &*name) {
+                Some(idx) if s.i == start => found(idx, s.value()?),
+                Some(idx) => {
+                    // Already walked for the prompt or the model: read it again for the caller.
+                    let mut again = Scanner { b: body, i: start };
+                    found(idx, again.value()?);
+                }
+                None if s.i == start => s.skip_value()?,
+                None => {}
+            }
+            s.skip_ws();
+            match s.next_byte()? {
+                b',' => {}
+                b'}' => break,
+                _ => return Err(ScanError::Syntax(s.i - 1)),
+            }
+        }
+    }
+    s.expect_end()?;
+    let model = model.map(|span| bytes(body, span));
+    Ok(chain.finish(model))
+}
+
+/// The raw bytes between the quotes of the string at the cursor, as a span of the body.
+fn string_span(s: &mut Scanner<'_>) -> Result<(usize, usize), ScanError> {
+    let start = s.i + 1;
+    s.skip_string()?;
+    Ok((start, s.i - 1))
+}
+
+fn bytes(b: &[u8], (start, end): (usize, usize)) -> &[u8] {
+    b.get(start..end).unwrap_or(&[])
+}
+
+/// After an element of an array: `,` (more) or `]` (done).
+fn array_next(s: &mut Scanner<'_>) -> Result<bool, ScanError> {
+    s.skip_ws();
+    match s.next_byte()? {
+        b',' => Ok(true),
+        b']' => Ok(false),
+        _ => Err(ScanError::Syntax(s.i - 1)),
+    }
+}
+
+/// After a member of an object: `,` (more) or `}` (done).
+fn object_next(s: &mut Scanner<'_>) -> Result<bool, ScanError> {
+    s.skip_ws();
+    match s.next_byte()? {
+        b',' => Ok(true),
+        b'}' => Ok(false),
+        _ => Err(ScanError::Syntax(s.i - 1)),
+    }
+}
+
+/// Enters an array or object at the cursor (`open`): `false` if it is empty (and consumed).
+fn enter(s: &mut Scanner<'_>, open: u8, close: u8) -> Result<bool, ScanError> {
+    s.expect(open)?;
+    s.skip_ws();
+    if s.peek() == Some(close) {
+        s.i += 1;
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// Reads `"name" :` inside an object, leaving the cursor on the value.
+fn member_name<'a>(s: &mut Scanner<'a>) -> Result<std::borrow::Cow<'a, [u8]>, ScanError> {
+    s.skip_ws();
+    let name = s.string()?;
+    s.skip_ws();
+    s.expect(b':')?;
+    s.skip_ws();
+    Ok(name)
+}
+
+/// `messages`: an array of message objects.
+fn walk_messages(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    if s.peek() != Some(b'[') {
+        c.unusable();
+        return s.skip_value();
+    }
+    c.begin(Domain::Chat);
+    each_object(s, c, walk_message)
+}
+
+/// Walks an array whose elements should be objects, calling `walk` on each; any other element
+/// makes the prompt unusable (and is skipped).
+fn each_object(
+    s: &mut Scanner<'_>,
+    c: &mut ChainBuilder<'_>,
+    walk: fn(&mut Scanner<'_>, &mut ChainBuilder<'_>) -> Result<(), ScanError>,
+) -> Result<(), ScanError> {
+    if !enter(s, b'[', b']')? {
+        return Ok(());
+    }
+    loop {
+        s.skip_ws();
+        if s.peek() == Some(b'{') {
+            walk(s, c)?;
+        } else {
+            c.unusable();
+            s.skip_value()?;
+        }
+        if !array_next(s)? {
+            return Ok(());
+        }
+    }
+}
+
+/// One message: role, `"`, text content, `"`, whatever the member order.
+fn walk_message(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let mut role: Option<(usize, usize)> = None;
+    let mut role_fed = false;
+    let mut seen_content = false;
+    // Start of a content value that came before the role: walked again once the role is fed.
+    let mut deferred: Option<usize> = None;
+    if enter(s, b'{', b'}')? {
+        loop {
+            let name = member_name(s)?;
+            match &*name {
+                b"role" => {
+                    if role.is_some() {
+                        c.unusable();
+                    }
+                    let span = if s.peek() == Some(b'"') {
+                        string_span(s)?
+                    } else {
+                        c.unusable();
+                        s.skip_value()?;
+                        (0, 0)
+                    };
+                    role = Some(span);
+                    if !seen_content {
+                        c.feed(bytes(s.b, span));
+                        c.feed(&[SEP]);
+                        role_fed = true;
+                    }
+                }
+                b"content" => {
+                    if seen_content {
+                        c.unusable();
+                    }
+                    seen_content = true;
+                    if role_fed {
+                        walk_content(s, c)?;
+                    } else {
+                        deferred = Some(s.i);
+                        s.skip_value()?;
+                    }
+                }
+                _ => s.skip_value()?,
+            }
+            if !object_next(s)? {
+                break;
+            }
+        }
+    }
+    if !role_fed {
+        if let Some(span) = role {
+            c.feed(bytes(s.b, span));
+        }
+        c.feed(&[SEP]);
+    }
+    if let Some(at) = deferred {
+        if c.active() {
+            walk_content(&mut Scanner { b: s.b, i: at }, c)?;
+        }
+    }
+    c.feed(&[SEP]);
+    Ok(())
+}
+
+/// A message's `content`: a string, an array of parts, or null.
+fn walk_content(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    match s.peek() {
+        Some(b'"') => {
+            let span = string_span(s)?;
+            c.feed(bytes(s.b, span));
+            Ok(())
+        }
+        Some(b'[') => walk_parts(s, c),
+        Some(b'n') => s.value().map(|_| ()),
+        _ => {
+            c.unusable();
+            s.skip_value()
+        }
+    }
+}
+
+/// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text parts, in order.
+fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    each_object(s, c, walk_part)
+}
+
+fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let mut is_text = false;
+    let mut text: Option<(usize, usize)> = None;
+    if enter(s, b'{', b'}')? {
+        loop {
+            let name = member_name(s)?;
+            let string = s.peek() == Some(b'"');
+            match &*name {
+                b"type" if string => is_text = bytes(s.b, string_span(s)?) == b"text",
+                b"text" if string => text = Some(string_span(s)?),
+                b"type" => {
+                    is_text = false;
+                    s.skip_value()?;
+                }
+                b"text" => {
+                    text = None;
+                    s.skip_value()?;
+                }
+                _ => s.skip_value()?,
+            }
+            if !object_next(s)? {
+                break;
+            }
+        }
+    }
+    if let (true, Some(span)) = (is_text, text) {
+        c.feed(bytes(s.b, span));
+    }
+    Ok(())
+}
+
+/// `prompt` / `text` / `input_ids`: a string, a list of strings, ids, or lists of ids.
+fn walk_text_or_ids(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    match s.peek() {
+        Some(b'"') => {
+            c.begin(Domain::Text);
+            let span = string_span(s)?;
+            c.feed(bytes(s.b, span));
+            Ok(())
+        }
+        Some(b'[') => walk_prompt_list(s, c),
+        _ => {
+            c.unusable();
+            s.skip_value()
+        }
+    }
+}
+
+fn walk_prompt_list(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Kind {
+        Strings,
+        Ids,
+        IdLists,
+    }
+    if !enter(s, b'[', b']')? {
+        return Ok(()); // `[]`: an empty prompt
+    }
+    // The first element decides what the list is; an element of another kind spoils it.
+    let kind = match s.peek() {
+        Some(b'"') => Kind::Strings,
+        Some(b'[') => Kind::IdLists,
+        _ => Kind::Ids,
+    };
+    c.begin(match kind {
+        Kind::Strings => Domain::Text,
+        Kind::Ids | Kind::IdLists => Domain::Tokens,
+    });
+    if kind == Kind::Ids {
+        return id_elements(s, c);
+    }
+    loop {
+        s.skip_ws();
+        match (kind, s.peek()) {
+            (Kind::Strings, Some(b'"')) => {
+                let span = string_span(s)?;
+                c.feed(bytes(s.b, span));
+                c.feed(&[SEP]);
+            }
+            (Kind::Ids, Some(b'-' | b'0'..=b'9')) => token_id(s, c)?,
+            (Kind::IdLists, Some(b'[')) => {
+                walk_ids(s, c)?;
+                c.push_u32(SEP_TOKEN);
+            }
+            _ => {
+                c.unusable();
+                s.skip_value()?;
+            }
+        }
+        if !array_next(s)? {
+            return Ok(());
+        }
+    }
+}
+
+/// An inner list of token ids.
+fn walk_ids(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    if !enter(s, b'[', b']')? {
+        return Ok(());
+    }
+    id_elements(s, c)
+}
+
+/// The elements of a non-empty list of token ids, from the first one to the closing `]`.
+fn id_elements(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    loop {
+        // Fast path: `digits,` or `digits]`, as serialisers write ids (a few ns an id).
+        if let Some(word) = s.b.get(s.i..s.i + 8) {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(word);
+            let (len, v) = swar_digits(u64::from_le_bytes(w));
+            if len > 0 && !(len > 1 && w[0] == b'0') {
+                match w.get(len) {
+                    Some(b',') => {
+                        s.i += len + 1;
+                        c.push_u32(v as u32);
+                        continue;
+                    }
+                    Some(b']') => {
+                        s.i += len + 1;
+                        c.push_u32(v as u32);
+                        return Ok(());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        s.skip_ws();
+        if let Some(b'-' | b'0'..=b'9') = s.peek() {
+            token_id(s, c)?;
+        } else {
+            c.unusable();
+            s.skip_value()?;
+        }
+        if !array_next(s)? {
+            return Ok(());
+        }
+    }
+}
+
+/// One token id at the cursor (a number). Up to 7 plain digits (every real vocabulary) are
+/// parsed eight bytes at a time; anything else (sign, fraction, exponent, more digits) takes the
+/// scalar path, and is checked by the scanner and spoils the prompt unless it is a plain `u32`.
+#[inline]
+fn token_id(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let start = s.i;
+    if let Some(word) = s.b.get(start..start + 8) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(word);
+        let (len, v) = swar_digits(u64::from_le_bytes(w));
+        if let Some(&next) = w.get(len) {
+            let leading_zero = len > 1 && w[0] == b'0';
+            if len > 0 && !leading_zero && !matches!(next, b'.' | b'e' | b'E') {
+                s.i += len;
+                c.push_u32(v as u32); // < 10^7: always a u32 and never SEP_TOKEN
+                return Ok(());
+            }
+        }
+    }
+    let mut v: u64 = 0;
+    while let Some(&d @ b'0'..=b'9') = s.b.get(s.i) {
+        v = v * 10 + u64::from(d - b'0');
+        s.i += 1;
+        if s.i - start > 10 {
+            break;
+        }
+    }
+    let digits = s.i - start;
+    let leading_zero = digits > 1 && s.b.get(start) == Some(&b'0');
+    let plain = digits > 0
+        && digits <= 10
+        && !leading_zero
+        && !matches!(s.peek(), Some(b'0'..=b'9' | b'.' | b'e' | b'E'));
+    match u32::try_from(v) {
+        Ok(id) if plain && id != SEP_TOKEN => c.push_u32(id),
+        _ => {
+            s.i = start;
+            s.number()?;
+            c.unusable();
+        }
+    }
+    Ok(())
+}
+
+/// The leading ASCII digits of eight bytes (little-endian word): how many (0..=8) and, when
+/// fewer than 8, their value. No loop and no data-dependent branch (simdjson's eight-digit
+/// trick on the digits shifted to the top, the bytes below them reading as leading zeros).
+#[inline]
+fn swar_digits(w: u64) -> (usize, u64) {
+    const LO: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+    const HI: u64 = 0xf0f0_f0f0_f0f0_f0f0;
+    const SEVENS: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    // A byte is a digit iff its high nibble is 3 and its low nibble at most 9 (no carries
+    // between bytes: each sum stays below 0x16).
+    let bad = ((w & HI) ^ 0x3030_3030_3030_3030) | (((w & LO) + 0x0606_0606_0606_0606) & HI);
+    let nonzero = (((bad & SEVENS) + SEVENS) | bad) & !SEVENS;
+    let len = (nonzero.trailing_zeros() / 8) as usize;
+    if len == 0 || len == 8 {
+        return (len, 0);
+    }
+    let mut v = (w & LO) << (8 * (8 - len));
+    v = v.wrapping_mul(10).wrapping_add(v >> 8);
+    v = ((v & 0x0000_00ff_0000_00ff).wrapping_mul(100 + (1_000_000 << 32))
+        + ((v >> 16) & 0x0000_00ff_0000_00ff).wrapping_mul(1 + (10_000 << 32)))
+        >> 32;
+    (len, v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::tests::{cfg, direct, hasher, ids, splitmix};
+    use crate::json_scan::scan_top_level;
+    use serde_json::{json, Value as Json};
+
+    fn chain(body: &str, api: Api, c: &PrefixConfig) -> Vec<u64> {
+        prompt_chain(body.as_bytes(), api, c, &hasher())
+            .unwrap_or_else(|e| panic!("{e:?} on {body}"))
+            .hashes()
+            .to_vec()
+    }
+
+    /// The canonical stream computed from a serde DOM (for bodies without escapes, where raw
+    /// and decoded strings agree). `None`: no usable prompt.
+    fn reference(body: &Json, api: Api) -> Option<(Domain, Vec<u8>)> {
+        let text = |v: &Json| v.as_str().map(|s| s.as_bytes().to_vec());
+        match api {
+            Api::Chat => {
+                let mut out = Vec::new();
+                for m in body.get("messages")?.as_array()? {
+                    let m = m.as_object()?;
+                    if let Some(r) = m.get("role") {
+                        out.extend(text(r)?);
+                    }
+                    out.push(SEP);
+                    match m.get("content") {
+                        None | Some(Json::Null) => {}
+                        Some(Json::String(s)) => out.extend(s.as_bytes()),
+                        Some(Json::Array(parts)) => {
+                            for p in parts {
+                                let p = p.as_object()?;
+                                if p.get("type").and_then(Json::as_str) == Some("text") {
+                                    if let Some(t) = p.get("text").and_then(Json::as_str) {
+                                        out.extend(t.as_bytes());
+                                    }
+                                }
+                            }
+                        }
+                        Some(_) => return None,
+                    }
+                    out.push(SEP);
+                }
+                Some((Domain::Chat, out))
+            }
+            Api::Completions | Api::Generate => {
+                let field = match api {
+                    Api::Completions => "prompt",
+                    _ => ["text", "input_ids"]
+                        .into_iter()
+                        .find(|f| body.get(f).is_some())?,
+                };
+                let id = |v: &Json| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .filter(|&n| n != SEP_TOKEN)
+                };
+                match body.get(field)? {
+                    Json::String(s) => Some((Domain::Text, s.as_bytes().to_vec())),
+                    Json::Array(items) if items.is_empty() => None,
+                    Json::Array(items) => match &items[0] {
+                        Json::String(_) => {
+                            let mut out = Vec::new();
+                            for i in items {
+                                out.extend(text(i)?);
+                                out.push(SEP);
+                            }
+                            Some((Domain::Text, out))
+                        }
+                        Json::Array(_) => {
+                            let mut out = Vec::new();
+                            for l in items {
+                                for i in l.as_array()? {
+                                    out.extend(id(i)?.to_le_bytes());
+                                }
+                                out.extend(SEP_TOKEN.to_le_bytes());
+                            }
+                            Some((Domain::Tokens, out))
+                        }
+                        _ => {
+                            let v: Option<Vec<u32>> = items.iter().map(id).collect();
+                            Some((Domain::Tokens, ids(&v?)))
+                        }
+                    },
+                    _ => None,
+                }
+            }
+        }
+    }
+
+    fn check_against_reference(body: &str, api: Api, c: &PrefixConfig) {
+        let v: Json = serde_json::from_str(body).unwrap();
+        let model = v.get("model").and_then(Json::as_str);
+        let want = match reference(&v, api) {
+            Some((domain, stream)) => direct(domain, &stream, model, c),
+            None => Vec::new(),
+        };
+        assert_eq!(chain(body, api, c), want, "{body}");
+    }
+
+    #[test]
+    fn chat_canonical_form() {
+        let c = cfg(16, 4, 64);
+        let body = r#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},
+            {"role":"user","content":"Hello there, how are you today?","name":"bob"}],"temperature":0}"#;
+        let stream =
+            b"system\"You are a helpful assistant.\"user\"Hello there, how are you today?\"";
+        assert_eq!(
+            chain(body, Api::Chat, &c),
+            direct(Domain::Chat, stream, Some("m"), &c)
+        );
+        assert_eq!(chain(body, Api::Chat, &c).len(), stream.len() / 16);
+        check_against_reference(body, Api::Chat, &c);
+    }
+
+    #[test]
+    fn chat_multi_part_content_and_member_order() {
+        let c = cfg(16, 4, 64);
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"describe this picture please, in detail"}]}"#;
+        let parts = r#"{"model":"m","messages":[{"role":"user","content":[
+            {"type":"text","text":"describe this picture "},
+            {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"},"text":"not me"},
+            {"text":"please, in detail","type":"text"}]}]}"#;
+        let reordered = r#"{"messages":[{"content":"describe this picture please, in detail","role":"user"}],"model":"m"}"#;
+        let want = chain(plain, Api::Chat, &c);
+        assert_eq!(want.len(), 2); // 45 bytes of canonical stream
+        assert_eq!(chain(parts, Api::Chat, &c), want);
+        assert_eq!(chain(reordered, Api::Chat, &c), want);
+        for body in [plain, parts, reordered] {
+            check_against_reference(body, Api::Chat, &c);
+        }
+        // Content-first with multi-part content, and a null content (an assistant tool call).
+        let mixed = r#"{"messages":[{"content":[{"type":"text","text":"abcdefghijklmnopqrstuvwxyz"}],"role":"user"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"x"}]},{"role":"tool","content":"42"}]}"#;
+        check_against_reference(mixed, Api::Chat, &c);
+        assert_eq!(
+            chain(mixed, Api::Chat, &c),
+            direct(
+                Domain::Chat,
+                b"user\"abcdefghijklmnopqrstuvwxyz\"assistant\"\"tool\"42\"",
+                None,
+                &c
+            )
+        );
+    }
+
+    #[test]
+    fn completions_and_generate_forms() {
+        let c = cfg(8, 2, 64);
+        let text = "the quick brown fox jumps over the lazy dog";
+        let s = format!(r#"{{"model":"m","prompt":"{text}"}}"#);
+        let want = direct(Domain::Text, text.as_bytes(), Some("m"), &c);
+        assert_eq!(want.len(), text.len() / 8);
+        assert_eq!(chain(&s, Api::Completions, &c), want);
+        // /generate's `text` is the same prompt: the same chain (same tokens, same cache).
+        let g = format!(r#"{{"text":"{text}","model":"m"}}"#);
+        assert_eq!(chain(&g, Api::Generate, &c), want);
+        // A batch of strings: each followed by a separator.
+        let list = r#"{"model":"m","prompt":["the quick brown fox","jumps over the lazy dog"]}"#;
+        assert_eq!(
+            chain(list, Api::Completions, &c),
+            direct(
+                Domain::Text,
+                b"the quick brown fox\"jumps over the lazy dog\"",
+                Some("m"),
+                &c
+            )
+        );
+        // Token ids: blocks of `block_tokens` ids, the same in both APIs.
+        let tok = r#"{"model":"m","prompt":[1,2,3,4,5,4294967294,0]}"#;
+        let want = direct(
+            Domain::Tokens,
+            &ids(&[1, 2, 3, 4, 5, u32::MAX - 1]),
+            Some("m"),
+            &c,
+        );
+        assert_eq!(want.len(), 3);
+        assert_eq!(chain(tok, Api::Completions, &c), want);
+        let gen = r#"{"input_ids":[1,2,3,4,5,4294967294,0],"model":"m"}"#;
+        assert_eq!(chain(gen, Api::Generate, &c), want);
+        let lists = r#"{"prompt":[[1,2,3],[4]]}"#;
+        assert_eq!(
+            chain(lists, Api::Completions, &c),
+            direct(
+                Domain::Tokens,
+                &ids(&[1, 2, 3, SEP_TOKEN, 4, SEP_TOKEN]),
+                None,
+                &c
+            )
+        );
+        for body in [s.as_str(), g.as_str(), list, tok, gen, lists] {
+            check_against_reference(body, Api::Completions, &c);
+            check_against_reference(body, Api::Generate, &c);
+        }
+        // Text and tokens never share a chain, nor does chat.
+        let as_text = direct(Domain::Text, &ids(&[1, 2, 3, 4]), None, &c);
+        assert_ne!(
+            as_text,
+            direct(Domain::Tokens, &ids(&[1, 2, 3, 4]), None, &c)
+        );
+        assert_ne!(as_text, direct(Domain::Chat, &ids(&[1, 2, 3, 4]), None, &c));
+    }
+
+    #[test]
+    fn unusable_or_missing_prompts_give_an_empty_chain() {
+        let c = cfg(4, 1, 64);
+        let cases: &[(&str, Api)] = &[
+            (r#"{}"#, Api::Chat),
+            (r#"{"model":"m"}"#, Api::Chat),
+            (r#"{"messages":[]}"#, Api::Chat),
+            (r#"{"messages":"hello hello hello"}"#, Api::Chat),
+            (r#"{"messages":["hello hello hello"]}"#, Api::Chat),
+            (r#"{"messages":[{"role":"user","content":5}]}"#, Api::Chat),
+            (
+                r#"{"messages":[{"role":7,"content":"hello hello"}]}"#,
+                Api::Chat,
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"hello hello","content":"x"}]}"#,
+                Api::Chat,
+            ),
+            (
+                r#"{"messages":[{"role":"user","role":"user","content":"hello hello"}]}"#,
+                Api::Chat,
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":["hi there you"]}]}"#,
+                Api::Chat,
+            ),
+            (r#"{"prompt":"hello hello"}"#, Api::Chat),
+            (r#"{"prompt":""}"#, Api::Completions),
+            (r#"{"prompt":[]}"#, Api::Completions),
+            (r#"{"prompt":null}"#, Api::Completions),
+            (r#"{"prompt":{"a":"hello hello"}}"#, Api::Completions),
+            (r#"{"prompt":["hello hello",3]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,-4,5]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,4.0]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,1e2]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,4294967295]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,99999999999]}"#, Api::Completions),
+            (r#"{"prompt":[1,2,3,"x"]}"#, Api::Completions),
+            (r#"{"prompt":[[1,2],3]}"#, Api::Completions),
+            (
+                r#"{"messages":[{"role":"user","content":"hello hello"}]}"#,
+                Api::Generate,
+            ),
+        ];
+        for (body, api) in cases {
+            assert!(chain(body, *api, &c).is_empty(), "{body}");
+        }
+        // Short of one block: nothing to hash either.
+        assert!(chain(r#"{"prompt":"abc"}"#, Api::Completions, &c).is_empty());
+        assert_eq!(chain(r#"{"prompt":"abcd"}"#, Api::Completions, &c).len(), 1);
+        // The last duplicate of a prompt member wins, as in serde and Python.
+        let dup = r#"{"prompt":"aaaaaaaa","prompt":"bbbbbbbb"}"#;
+        assert_eq!(
+            chain(dup, Api::Completions, &c),
+            chain(r#"{"prompt":"bbbbbbbb"}"#, Api::Completions, &c)
+        );
+        let spoiled_then_fine = r#"{"prompt":[-1],"prompt":"bbbbbbbb"}"#;
+        assert_eq!(chain(spoiled_then_fine, Api::Completions, &c).len(), 2);
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors() {
+        let c = PrefixConfig::default();
+        let h = hasher();
+        for (body, err) in [
+            ("", ScanError::NotAnObject),
+            ("[]", ScanError::NotAnObject),
+            ("\"x\"", ScanError::NotAnObject),
+        ] {
+            assert_eq!(
+                prompt_chain(body.as_bytes(), Api::Chat, &c, &h),
+                Err(err),
+                "{body}"
+            );
+        }
+        for body in [
+            r#"{"messages":[{"role":"user","content":"hi"}]"#,
+            r#"{"messages":[{"role":"user","content":"hi"},]}"#,
+            r#"{"messages":[{"role":"user","content":"hi\x"}]}"#,
+            r#"{"messages":[{"role":"user" "content":"hi"}]}"#,
+            r#"{"messages":[{"content":"hi","role":"user"]}"#,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"]}]}"#,
+            r#"{"prompt":[1,2,03]}"#,
+            r#"{"prompt":[1,2,3,]}"#,
+            r#"{"prompt":[1,2,-]}"#,
+            r#"{"prompt":"x"}}"#,
+            r#"{"model":"m","prompt":"x""#,
+        ] {
+            for api in [Api::Chat, Api::Completions] {
+                assert!(
+                    prompt_chain(body.as_bytes(), api, &c, &h).is_err(),
+                    "{body} accepted"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn deep_nesting_does_not_recurse() {
+        let c = cfg(4, 1, 64);
+        let h = hasher();
+        let deep =
+            |open: &str, close: &str| format!("{}{}", open.repeat(100_000), close.repeat(100_000));
+        let arrays = deep("[", "]");
+        let objects = deep("{\"a\":", "}").replace(":}", ":1}");
+        for (inner, ok) in [(arrays.as_str(), true), (&arrays[1..], false)] {
+            for body in [
+                format!(r#"{{"messages":{inner}}}"#),
+                format!(r#"{{"messages":[{inner}]}}"#),
+                format!(r#"{{"messages":[{{"role":"user","content":{inner}}}]}}"#),
+                format!(r#"{{"messages":[{{"role":"user","content":[{inner}]}}]}}"#),
+                format!(r#"{{"messages":[{{"content":[{{"type":"text","x":{inner}}}]}}]}}"#),
+                format!(r#"{{"prompt":{inner}}}"#),
+                format!(r#"{{"prompt":[[1],{inner}]}}"#),
+                format!(r#"{{"other":{inner},"prompt":"abcdefgh"}}"#),
+            ] {
+                for api in [Api::Chat, Api::Completions] {
+                    let r = prompt_chain(body.as_bytes(), api, &c, &h);
+                    assert_eq!(r.is_ok(), ok, "{}", &body[..40]);
+                }
+            }
+        }
+        let body = format!(r#"{{"x":{objects},"prompt":"abcdefgh"}}"#);
+        assert_eq!(chain(&body, Api::Completions, &c).len(), 2);
+    }
+
+    #[test]
+    fn escapes_are_hashed_raw() {
+        let c = cfg(4, 1, 64);
+        // Same bytes, same chain; the same text escaped differently is another chain (documented).
+        let a = r#"{"prompt":"line\none\u00e9\"q\"\\"}"#;
+        let b = r#"{"prompt":"line\u000aone\u00e9\"q\"\\"}"#;
+        assert_eq!(
+            chain(a, Api::Completions, &c),
+            direct(Domain::Text, br#"line\none\u00e9\"q\"\\"#, None, &c)
+        );
+        assert_ne!(
+            chain(a, Api::Completions, &c),
+            chain(b, Api::Completions, &c)
+        );
+        // Escaped member names are still recognised (names are unescaped, values are not).
+        let named = r#"{"pr\u006fmpt":"abcdefgh","m\u006fdel":"m"}"#;
+        assert_eq!(
+            chain(named, Api::Completions, &c),
+            direct(Domain::Text, b"abcdefgh", Some("m"), &c)
+        );
+    }
+
+    #[test]
+    fn model_seeds_the_chain_wherever_it_is() {
+        let c = cfg(4, 1, 64);
+        let first = r#"{"model":"a","prompt":"abcdefghijkl"}"#;
+        let last = r#"{"prompt":"abcdefghijkl","model":"a"}"#;
+        let other = r#"{"prompt":"abcdefghijkl","model":"b"}"#;
+        let none = r#"{"prompt":"abcdefghijkl"}"#;
+        let empty = r#"{"prompt":"abcdefghijkl","model":""}"#;
+        let not_string = r#"{"prompt":"abcdefghijkl","model":7}"#;
+        let dup = r#"{"model":"b","prompt":"abcdefghijkl","model":"a"}"#;
+        let a = chain(first, Api::Completions, &c);
+        assert_eq!(a.len(), 3);
+        assert_eq!(chain(last, Api::Completions, &c), a);
+        assert_eq!(chain(dup, Api::Completions, &c), a, "last model wins");
+        assert_eq!(
+            chain(not_string, Api::Completions, &c),
+            chain(none, Api::Completions, &c)
+        );
+        for x in [other, none, empty] {
+            let x = chain(x, Api::Completions, &c);
+            assert!(a.iter().zip(&x).all(|(p, q)| p != q), "no shared hash");
+        }
+        assert_ne!(
+            chain(none, Api::Completions, &c),
+            chain(empty, Api::Completions, &c)
+        );
+    }
+
+    #[test]
+    fn seed_changes_every_hash() {
+        let c = cfg(4, 1, 64);
+        let body = br#"{"prompt":"abcdefghijkl"}"#;
+        let a = prompt_chain(body, Api::Completions, &c, &PrefixHasher::new(b"")).unwrap();
+        let b = prompt_chain(body, Api::Completions, &c, &PrefixHasher::new(b"x")).unwrap();
+        assert!(a.hashes().iter().zip(b.hashes()).all(|(p, q)| p != q));
+    }
+
+    #[test]
+    fn chains_extend_cap_and_drop_the_partial_block() {
+        let c = cfg(16, 4, 10);
+        let turn = |n: usize| {
+            let mut msgs = vec![json!({"role":"system","content":"You are terse. ".repeat(5)})];
+            for i in 0..n {
+                msgs.push(json!({"role":"user","content":format!("question {i} ").repeat(3)}));
+                msgs.push(json!({"role":"assistant","content":format!("answer {i}")}));
+            }
+            json!({"model":"m","messages":msgs}).to_string()
+        };
+        let one = chain(&turn(1), Api::Chat, &c);
+        let two = chain(&turn(2), Api::Chat, &c);
+        assert!(one.len() < two.len());
+        // The block holding the end of turn 1 differs (turn 2 continues it); all before agree.
+        let stream1 = reference(&serde_json::from_str(&turn(1)).unwrap(), Api::Chat)
+            .unwrap()
+            .1;
+        let full = stream1.len() / 16;
+        assert_eq!(one.len(), full, "partial last block not hashed");
+        assert_eq!(one[..full], two[..full]);
+        // Capped at max_blocks; a prompt beyond the cap keeps the same chain.
+        let long = chain(&turn(40), Api::Chat, &c);
+        assert_eq!(long.len(), 10);
+        assert_eq!(chain(&turn(41), Api::Chat, &c), long);
+        let capped = prompt_chain(turn(40).as_bytes(), Api::Chat, &c, &hasher()).unwrap();
+        assert!(capped.capped());
+        assert!(!prompt_chain(turn(1).as_bytes(), Api::Chat, &c, &hasher())
+            .unwrap()
+            .capped());
+        // Exactly n blocks of text: n hashes.
+        for n in 0..5 {
+            let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(16 * n));
+            assert_eq!(chain(&body, Api::Completions, &c).len(), n);
+        }
+    }
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = splitmix(self.0);
+            self.0 % n
+        }
+
+        fn text(&mut self, k: u64) -> String {
+            const WORDS: [&str; 8] = [
+                "alpha ", "beta ", "gamma", " delta ", "é ", "日本 ", "", "x",
+            ];
+            (0..k).map(|_| WORDS[self.below(8) as usize]).collect()
+        }
+    }
+
+    /// An object with its members in the given order (serde_json's map would sort them).
+    fn object(members: &[(&str, String)]) -> String {
+        let inner: Vec<String> = members.iter().map(|(k, v)| format!("{k:?}:{v}")).collect();
+        format!("{{{}}}", inner.join(","))
+    }
+
+    /// Random chat bodies (random member order, parts, extra members, model anywhere) against
+    /// the serde reference.
+    #[test]
+    fn random_chat_bodies_match_the_reference() {
+        let mut r = Rng(99);
+        for _ in 0..2000 {
+            let block = [1, 3, 8, 16, 40][r.below(5) as usize];
+            let c = cfg(block, 2, 1 + r.below(30) as u32);
+            let mut msgs = Vec::new();
+            for _ in 0..r.below(6) {
+                let content = match r.below(4) {
+                    0 => "null".to_string(),
+                    1 => {
+                        let parts: Vec<String> = (0..r.below(4))
+                            .map(|_| match r.below(3) {
+                                0 => object(&[
+                                    ("type", json!("text").to_string()),
+                                    ("text", json!(r.text(3)).to_string()),
+                                ]),
+                                1 => object(&[
+                                    ("text", json!(r.text(2)).to_string()),
+                                    ("type", json!("text").to_string()),
+                                ]),
+                                _ => object(&[
+                                    ("type", json!("image_url").to_string()),
+                                    ("image_url", json!({"url":"u"}).to_string()),
+                                ]),
+                            })
+                            .collect();
+                        format!("[{}]", parts.join(","))
+                    }
+                    _ => {
+                        let words = r.below(12);
+                        json!(r.text(words)).to_string()
+                    }
+                };
+                let mut members =
+                    vec![("role", json!(r.text(1)).to_string()), ("content", content)];
+                if r.below(2) == 0 {
+                    members.reverse();
+                }
+                if r.below(3) == 0 {
+                    let at = r.below(3) as usize;
+                    members.insert(at, ("name", json!({"n":[1,2,{"k":"v"}]}).to_string()));
+                }
+                if r.below(5) == 0 {
+                    members.retain(|(k, _)| *k != "role");
+                }
+                msgs.push(object(&members));
+            }
+            let mut top = vec![
+                ("messages", format!("[{}]", msgs.join(","))),
+                ("temperature", "0.5".to_string()),
+                ("routing_key", "\"k\"".to_string()),
+            ];
+            if r.below(4) != 0 {
+                let at = r.below(4) as usize;
+                top.insert(at, ("model", json!(r.text(2)).to_string()));
+            }
+            check_against_reference(&object(&top), Api::Chat, &c);
+        }
+    }
+
+    #[test]
+    fn grammar_agrees_with_scan_top_level_on_mutated_bodies() {
+        let seeds = [
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi \"there\""}]},{"content":"yo","role":"assistant"}],"stream":true}"#,
+            r#"{"prompt":[[1,2,3],[4,5]],"model":"m","n":-1.5e3}"#,
+            r#"{"input_ids":[1,20,300,4000],"text":"abc\u00e9","sampling_params":{"max_new_tokens":8}}"#,
+        ];
+        let c = cfg(4, 2, 16);
+        let h = hasher();
+        let alphabet = b"{}[]\":,\\ 0123456789-.eEtrufalsn\"xu";
+        let mut r = 7u64;
+        for seed in seeds {
+            for _ in 0..4000 {
+                let mut b = seed.as_bytes().to_vec();
+                for _ in 0..1 + splitmix(r) % 3 {
+                    r = splitmix(r);
+                    let at = (r % b.len() as u64) as usize;
+                    let c = alphabet[(r >> 32) as usize % alphabet.len()];
+                    match (r >> 20) % 4 {
+                        0 => b[at] = c,
+                        1 => b.insert(at, c),
+                        2 => {
+                            b.remove(at);
+                        }
+                        _ => b.truncate(at),
+                    }
+                    if b.is_empty() {
+                        b.push(b'{');
+                    }
+                }
+                let top = scan_top_level(&b, &[], |_, _| {}).is_ok();
+                for api in [Api::Chat, Api::Completions, Api::Generate] {
+                    let ours = prompt_chain(&b, api, &c, &h);
+                    assert_eq!(
+                        ours.is_ok(),
+                        top,
+                        "{:?} on {}",
+                        ours,
+                        String::from_utf8_lossy(&b)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wanted_fields_are_reported_like_scan_top_level() {
+        let c = PrefixConfig::default();
+        let h = hasher();
+        let wanted = ["routing_key", "model", "messages", "user", "routed_dp_rank"];
+        for body in [
+            r#"{"model":"m\u00e9","messages":[{"role":"user","content":"x"}],"routing_key":"a\nb","routed_dp_rank":3,"user":null}"#,
+            r#"{"user":"u","routing_key":"k","routing_key":"k2","messages":[]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        ] {
+            let mut ours = Vec::new();
+            let mut theirs = Vec::new();
+            scan_prompt(body.as_bytes(), Api::Chat, &c, &h, &wanted, |i, v| {
+                ours.push((i, v))
+            })
+            .unwrap();
+            scan_top_level(body.as_bytes(), &wanted, |i, v| theirs.push((i, v))).unwrap();
+            assert_eq!(ours, theirs, "{body}");
+        }
+    }
+
+    #[test]
+    fn swar_digits_agree_with_a_loop() {
+        let mut r = Rng(5);
+        for _ in 0..200_000 {
+            let mut w = [0u8; 8];
+            for b in &mut w {
+                *b = match r.below(4) {
+                    0 => b"0123456789,] .e-"[r.below(16) as usize],
+                    _ => b'0' + r.below(10) as u8,
+                };
+            }
+            if r.below(3) == 0 {
+                w[r.below(8) as usize] = r.below(256) as u8;
+            }
+            let len = w.iter().take_while(|b| b.is_ascii_digit()).count();
+            let value = w[..len]
+                .iter()
+                .fold(0u64, |v, d| v * 10 + u64::from(d - b'0'));
+            let got = swar_digits(u64::from_le_bytes(w));
+            assert_eq!(got.0, len, "{w:?}");
+            if len < 8 {
+                assert_eq!(got.1, value, "{w:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn api_from_path() {
+        for (path, api) in [
+            ("/v1/chat/completions", Some(Api::Chat)),
+            ("/v1/chat/completions?x=1", Some(Api::Chat)),
+            ("/openai/v1/chat/completions/", Some(Api::Chat)),
+            ("/v1/completions", Some(Api::Completions)),
+            ("/generate", Some(Api::Generate)),
+            ("/generate?stream=1", Some(Api::Generate)),
+            ("/v1/models", None),
+            ("/", None),
+            ("", None),
+            ("/v1/embeddings", None),
+        ] {
+            assert_eq!(Api::from_path(path.as_bytes()), api, "{path}");
+        }
+    }
+}
