@@ -142,7 +142,7 @@ struct RawAssign {
 impl Default for RawAssign {
     fn default() -> Self {
         RawAssign {
-            mode: "envoy".into(),
+            mode: "hash".into(),
             seed: String::new(),
             load_factor: 1.25,
             pinned_load_factor: 2.0,
@@ -736,6 +736,16 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let echo_header = optional_header("echo_header", echo)?;
     let table = compile_table("table", raw.table)?;
     let prefix = compile_prefix(raw.prefix, &table)?;
+    // Without the filter's own load view a popular prefix would send every request to the rank
+    // that computed it first: prefix placement needs an assigner that counts load.
+    if prefix.enabled && assign.mode == Mode::Envoy {
+        return Err(err(
+            "prefix.enabled",
+            "prompt-prefix placement needs the filter's load view, which assign.mode \"envoy\" \
+             does not keep: use assign.mode \"hash\" (the default) or \"least_inflight\", or set \
+             prefix.enabled to false",
+        ));
+    }
     Ok(Config {
         dp_size,
         assign,
@@ -1139,8 +1149,18 @@ mod tests {
         assert_eq!(c.echo_header.as_deref(), Some("x-dp-rank"));
         assert_eq!((c.table.buckets, c.table.ways), (65_536, 16));
         assert_eq!(c.table.ttl_seconds, 3600);
-        assert_eq!(c.assign.mode, Mode::Envoy);
-        assert!(!c.assign.tracks_load());
+        // The recommended placement: rendezvous homes with load counted, prompt prefix on.
+        assert_eq!(c.assign.mode, Mode::Hash);
+        assert!(c.assign.tracks_load());
+        assert!(c.prefix.enabled);
+        // Envoy's balancer keeps no load view: prefix placement without one is refused.
+        let e = parse(r#"{"dp_size": 4, "assign": {"mode": "envoy"}}"#).unwrap_err();
+        assert_eq!(e.field, "prefix.enabled");
+        assert!(e.message.contains("load view"), "{}", e.message);
+        let learn =
+            parse(r#"{"dp_size": 4, "assign": {"mode": "envoy"}, "prefix": {"enabled": false}}"#)
+                .unwrap();
+        assert!(!learn.assign.tracks_load());
         assert_eq!(
             (c.assign.new_key_bound.factor, c.assign.pinned_bound.factor),
             (1.25, 2.0)
@@ -1154,7 +1174,7 @@ mod tests {
     fn prefix_defaults_and_values() {
         let c = parse(r#"{"dp_size": 4}"#).unwrap();
         let p = &c.prefix;
-        assert!(!p.enabled);
+        assert!(p.enabled);
         assert_eq!(
             (
                 p.block_bytes,

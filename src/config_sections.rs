@@ -113,7 +113,7 @@ impl Default for PrefixConfig {
     ///   entries per chain: room for ~75,000 long prompts, more short ones.
     fn default() -> Self {
         PrefixConfig {
-            enabled: false,
+            enabled: true,
             block_bytes: 512,
             block_tokens: 64,
             max_blocks: 128,
@@ -187,7 +187,7 @@ mod tests {
     #[test]
     fn prefix_config_defaults_and_validation() {
         let d = PrefixConfig::default();
-        assert!(!d.enabled);
+        assert!(d.enabled);
         assert_eq!(
             (
                 d.block_bytes,

@@ -598,7 +598,7 @@ mod tests {
             decide_headers(&on, &models, false),
             HeaderStep::Decided(Decision::Key { .. })
         ));
-        let off = cfg("");
+        let off = cfg(r#","prefix":{"enabled":false}"#);
         let keyed_off = headers(&off, &[JSON, CHAT_PATH, ("x-routing-key", "k")]);
         assert!(matches!(
             decide_headers(&off, &keyed_off, false),
@@ -650,7 +650,7 @@ mod tests {
         // No API (not an LLM path) or prefix off: no chain, same decision.
         let (d, chain) = decide_body_with_prefix(&c, body.as_bytes(), None, true, None);
         assert_eq!((d, chain.len()), (Decision::Fallback(Reason::NoKey), 0));
-        let off = cfg("");
+        let off = cfg(r#","prefix":{"enabled":false}"#);
         let (_, chain) =
             decide_body_with_prefix(&off, body.as_bytes(), None, true, Some(Api::Chat));
         assert!(chain.is_empty());

@@ -675,7 +675,8 @@ mod tests {
         ];
         assert_eq!(facts(&on, &h).path, Some(&b"/v1/chat/completions?x=1"[..]));
         assert_eq!(facts(&on, &h).prefix_api(&on), Some(Api::Chat));
-        assert_eq!(facts(&cfg(), &h).prefix_api(&cfg()), None, "prefix off");
+        let off = Config::from_json(br#"{"dp_size":4,"prefix":{"enabled":false}}"#).unwrap();
+        assert_eq!(facts(&off, &h).prefix_api(&off), None, "prefix off");
         let models = [(":path", "/v1/models")];
         assert_eq!(facts(&on, &models).prefix_api(&on), None);
         assert_eq!(facts(&on, &[]).prefix_api(&on), None, "no :path");

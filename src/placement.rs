@@ -7,8 +7,7 @@
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
-    busier_than_least, choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin,
-    Mode,
+    choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin, Mode,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -163,9 +162,8 @@ pub enum PrefixChoice {
     /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound
     /// (`assign.load_factor`, `assign.min_capacity`) or cooling down: the next choice decides.
     SkippedFull { rank: u32, blocks: usize },
-    /// The match stops at a branched position (a prefix other prompts share, see `prefix`) and
-    /// `rank` has more than `prefix.shared_slack` requests in flight beyond the least loaded
-    /// usable rank: the next choice places the request by load.
+    /// The blocks the match on `rank` saves do not outweigh the work queued there beyond the
+    /// request's home (see [`prefix_choice_at`]): the request goes home.
     Spread { rank: u32, blocks: usize },
 }
 
@@ -181,10 +179,8 @@ pub enum PrefixChoice {
 /// a deployment whose short prefixes are all shared can still raise it.
 ///
 /// A match on a branched position is a prefix other prompts share, not this prompt's own
-/// history: any rank can compute it once and serve it from then on, so it keeps its rank (the
-/// least loaded of the ranks known to hold it) only while that rank is about as idle as the
-/// least loaded one (`prefix.shared_slack`). Without this, every prompt opening with a popular
-/// system prompt would go to the rank that saw it first, until that rank is full.
+/// history: the least loaded of the ranks known to hold it stands for it. Whether it beats the
+/// request's home is [`prefix_choice_at`]'s question; without a home it routes.
 pub fn prefix_choice(
     cfg: &Config,
     m: &Match,
@@ -235,11 +231,6 @@ pub fn prefix_choice_at(
             PrefixChoice::SkippedFull { rank, blocks }
         }
         (Some(st), Some(home)) if home != rank && !outweighs_home(cfg, m, st, rank, home) => {
-            PrefixChoice::Spread { rank, blocks }
-        }
-        (Some(st), None)
-            if m.branched && busier_than_least(st, now, rank, cfg.prefix.shared_slack) =>
-        {
             PrefixChoice::Spread { rank, blocks }
         }
         _ => PrefixChoice::Hit { rank, blocks },
@@ -382,6 +373,9 @@ mod tests {
 
     const PREFIX_ON: &str = r#","prefix":{"enabled":true,"block_bytes":64}"#;
 
+    /// Envoy balances and the filter learns; prefix placement is refused in that mode.
+    const ENVOY_MODE: &str = r#","assign":{"mode":"envoy"},"prefix":{"enabled":false}"#;
+
     fn states(loads: &[(u32, u32)]) -> RankStates {
         RankStates {
             ranks: loads
@@ -479,42 +473,19 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_prefix_yields_to_a_less_loaded_rank() {
-        // Floor 8: no rank is full below; only the shared-prefix rule can move the request.
-        let c = cfg(r#","assign":{"mode":"hash"},"prefix":{"shared_slack":1}"#);
+    fn holders_stand_for_a_shared_prefix() {
+        // Floor 8: no rank is full below.
+        let c = cfg(r#","assign":{"mode":"hash"}"#);
         let shared = |blocks, rank| Match {
             branched: true,
             ..matched(blocks, rank)
         };
-        // Rank 2 has 2 in flight, the least loaded usable rank 0 (rank 3 is down, not counted).
+        // Rank 2 has 2 in flight, rank 1 one; rank 3 is down until 50.
         let st = states(&[(0, 0), (1, 0), (2, 0), (0, 50)]);
+        // Without a home a match routes, shared or not.
         assert_eq!(
             prefix_choice(&c, &shared(8, 2), Some(&st), 10),
-            PrefixChoice::Spread { rank: 2, blocks: 8 },
-            "2 more in flight than the least loaded rank: over a slack of 1"
-        );
-        assert_eq!(
-            prefix_choice(&c, &shared(40, 1), Some(&st), 10),
-            PrefixChoice::Hit {
-                rank: 1,
-                blocks: 40
-            },
-            "within the slack, at any depth"
-        );
-        assert_eq!(
-            prefix_choice(&c, &matched(8, 2), Some(&st), 10),
             PrefixChoice::Hit { rank: 2, blocks: 8 },
-            "a conversation's own history (not branched) is not spread"
-        );
-        // The default slack 0: only a rank tied with the least loaded keeps a shared prefix.
-        let strict = cfg(r#","assign":{"mode":"hash"}"#);
-        assert_eq!(
-            prefix_choice(&strict, &shared(8, 1), Some(&st), 10),
-            PrefixChoice::Spread { rank: 1, blocks: 8 }
-        );
-        assert_eq!(
-            prefix_choice(&strict, &shared(8, 0), Some(&st), 10),
-            PrefixChoice::Hit { rank: 0, blocks: 8 }
         );
         // The default sticky_blocks 1: an unbranched match of any depth stays until the pinned
         // bound. Rank 2 with 1 of 2 in flight, floor 1: the new-key capacity ceil(1.25 × 3 / 4)
@@ -548,12 +519,7 @@ mod tests {
         assert_eq!(
             prefix_choice(&c, &busy_holder, Some(&st), 10),
             PrefixChoice::Hit { rank: 1, blocks: 8 },
-            "holder 1 (1 in flight) is within the slack of the least loaded rank"
-        );
-        assert_eq!(
-            prefix_choice(&strict, &busy_holder, Some(&st), 10),
-            PrefixChoice::Spread { rank: 1, blocks: 8 },
-            "with slack 0 even the best holder yields to the idle rank 0"
+            "holder 1 (1 in flight) is less loaded than the entry's rank 2"
         );
         // Not branched: holders are not consulted (a conversation's own rank).
         let own_held = Match {
@@ -564,11 +530,7 @@ mod tests {
             prefix_choice(&c, &own_held, Some(&st), 10),
             PrefixChoice::Hit { rank: 2, blocks: 8 }
         );
-        // Once rank 3 is back and idle it is the least loaded; in envoy mode nothing is counted.
-        assert_eq!(
-            prefix_choice(&c, &shared(8, 1), Some(&st), 50),
-            PrefixChoice::Hit { rank: 1, blocks: 8 }
-        );
+        // Without a rank state nothing is weighed.
         assert_eq!(
             prefix_choice(&c, &shared(8, 2), None, 10),
             PrefixChoice::Hit { rank: 2, blocks: 8 }
@@ -709,7 +671,7 @@ mod tests {
             }
         );
         // Envoy mode: no states, a pin always holds, a match always routes.
-        let envoy = cfg("");
+        let envoy = cfg(ENVOY_MODE);
         assert_eq!(
             place(&envoy, 0, Some(0), Some(&m), None, never).placed,
             Placed::Pin(0)
@@ -905,7 +867,7 @@ mod tests {
 
     #[test]
     fn plans_in_envoy_mode() {
-        let c = cfg("");
+        let c = cfg(ENVOY_MODE);
         use Counter::*;
         check(
             &c,
@@ -972,7 +934,7 @@ mod tests {
         let loads = states(&[(3, 0), (1, 0), (1, 0), (2, 0)]);
         let at = |mode: &str, turn: u32, anchor: Option<u64>| {
             let c = cfg(&format!(
-                r#","assign":{{"mode":"{mode}","min_capacity":8}}"#
+                r#","assign":{{"mode":"{mode}","min_capacity":8}},"prefix":{{"enabled":false}}"#
             ));
             let facts = Facts {
                 anchor,

@@ -19,9 +19,10 @@ use support::stack::{mock_info, served_rank, Stack, StackOptions};
 
 // ---------------------------------------------------------------- helpers
 
-/// A plugin configuration with prefix placement on, deep-merged with `extra`.
+/// A plugin configuration with prefix placement on (`hash` mode, as by default), deep-merged
+/// with `extra`.
 fn prefix_config(extra: Value) -> Value {
-    let mut overrides = json!({ "prefix": { "enabled": true } });
+    let mut overrides = json!({ "assign": { "mode": "hash" }, "prefix": { "enabled": true } });
     merge(&mut overrides, extra);
     plugin_config(overrides)
 }
@@ -76,14 +77,14 @@ fn settle() {
 
 // ---------------------------------------------------------------- (a) + (b)
 
-/// Keyless requests sharing a 16 KiB system prompt follow the first one's rank, in `envoy` mode
-/// (the first is balanced by Envoy and recorded from the response) and in `hash` mode (keyless
-/// requests placed by least in-flight and recorded at once); unrelated prompts spread.
+/// Keyless requests sharing a 16 KiB system prompt follow the first one's rank, in
+/// `least_inflight` mode (the first placed by load) and in `hash` mode (the first placed at the
+/// home of its prompt's anchor); unrelated prompts spread.
 #[test]
 fn shared_system_prompt_keyless_requests_share_a_rank() {
     const PROMPTS: usize = 6;
     const UNRELATED: usize = 40;
-    for mode in ["envoy", "hash"] {
+    for mode in ["least_inflight", "hash"] {
         let stack = Stack::start(
             &format!("prefix_shared_system_prompt_{mode}"),
             StackOptions::new(prefix_config(json!({ "assign": { "mode": mode } }))),

@@ -9,8 +9,22 @@ pub const DP_SIZE: u32 = 4;
 pub const KEY_HEADER: &str = "x-smg-routing-key";
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
 
-/// `{"dp_size": 4}` deep-merged with `overrides`.
+/// The learning filter — `{"dp_size": 4}` with `assign.mode: envoy` (Envoy balances new keys,
+/// the filter learns their rank) and prefix placement off — deep-merged with `overrides`. Most
+/// scenarios are about keys, pins and bad input, and read clearest against Envoy's balancer;
+/// the ones about the shipped defaults (`hash`, prefix on) start from [`default_config`].
 pub fn plugin_config(overrides: Value) -> Value {
+    let mut config = json!({
+        "dp_size": DP_SIZE,
+        "assign": { "mode": "envoy" },
+        "prefix": { "enabled": false },
+    });
+    merge(&mut config, overrides);
+    config
+}
+
+/// The filter's own defaults (`{"dp_size": 4}` and nothing else) deep-merged with `overrides`.
+pub fn default_config(overrides: Value) -> Value {
     let mut config = json!({ "dp_size": DP_SIZE });
     merge(&mut config, overrides);
     config
