@@ -322,22 +322,12 @@ pub fn scan_body_and_prompt<'a>(
         0
     };
     let n_key = cfg.key.body_fields.len();
-    // Per rank field, its last occurrence read as a rank (`Ok(None)`: absent or null).
-    let mut ranks: Vec<Result<Option<u32>, RankError>> = vec![Ok(None); n_rank];
-    let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; n_key];
+    // Per rank and key field, its last occurrence (one allocation for both; `None`: absent).
+    let mut last: Vec<Option<Value<'a>>> = vec![None; n_rank + n_key];
     let mut room = None;
     let mut found = |idx: usize, value: Value<'a>| {
-        if let Some(slot) = ranks.get_mut(idx) {
-            *slot = rank_from_json(cfg, wanted[idx], &value);
-        } else if idx < n_rank + n_key {
-            // Every occurrence replaces the previous one (last duplicate wins, as in serde and
-            // Python); only a non-empty string is a key.
-            if let Some(slot) = keys.get_mut(idx - n_rank) {
-                *slot = match value {
-                    Value::Str(s) if !s.is_empty() => Some(s),
-                    _ => None,
-                };
-            }
+        if let Some(slot) = last.get_mut(idx) {
+            *slot = Some(value);
         } else {
             room = match value {
                 Value::Number(raw) => parse_u64(raw), // not an integer >= 0: no room
@@ -359,9 +349,21 @@ pub fn scan_body_and_prompt<'a>(
             Chain::default()
         }
     };
+    let (rank_slots, key_slots) = last.split_at_mut(n_rank);
+    let ranks = rank_slots
+        .iter()
+        .enumerate()
+        .map(|(idx, value)| match value {
+            Some(v) => rank_from_json(cfg, wanted.get(idx).copied().unwrap_or_default(), v),
+            None => Ok(None),
+        });
     let facts = BodyFacts {
         rank: merge_ranks(&wanted, ranks),
-        key: keys.into_iter().flatten().next(),
+        // Only a non-empty string is a key; the first field in list order holding one wins.
+        key: key_slots.iter_mut().find_map(|value| match value.take() {
+            Some(Value::Str(s)) if !s.is_empty() => Some(s),
+            _ => None,
+        }),
         room,
     };
     Ok((facts, chain))
@@ -372,10 +374,10 @@ pub fn scan_body_and_prompt<'a>(
 /// field disagreeing with an earlier one is an error naming both.
 fn merge_ranks(
     wanted: &[&str],
-    ranks: Vec<Result<Option<u32>, RankError>>,
+    ranks: impl Iterator<Item = Result<Option<u32>, RankError>>,
 ) -> Option<Result<u32, RankError>> {
     let mut seen: Option<(u32, usize)> = None;
-    for (idx, rank) in ranks.into_iter().enumerate() {
+    for (idx, rank) in ranks.enumerate() {
         let this = match rank {
             Ok(None) => continue,
             Ok(Some(n)) => n,
@@ -384,9 +386,10 @@ fn merge_ranks(
         match seen {
             None => seen = Some((this, idx)),
             Some((prev, prev_idx)) if prev != this => {
+                let name = |i: usize| wanted.get(i).copied().unwrap_or_default();
                 return Some(Err(RankError {
-                    field: wanted[idx].to_string(),
-                    problem: format!("conflicts with {} = {prev}: got {this}", wanted[prev_idx]),
+                    field: name(idx).to_string(),
+                    problem: format!("conflicts with {} = {prev}: got {this}", name(prev_idx)),
                 }));
             }
             Some(_) => {}
