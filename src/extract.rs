@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use crate::chain::Chain;
 use crate::config::Config;
 use crate::failure::{classify, Answer};
-use crate::json_scan::{scan_top_level, ScanError, Value};
+use crate::json_scan::{scan_top_level, strip_bom, ScanError, Value};
 use crate::prompt::{scan_prompt, Api};
 
 /// Where an explicit rank came from, for error messages.
@@ -295,10 +295,12 @@ pub struct BodyFacts<'a> {
 
 /// Scans a JSON body for the configured explicit-rank and routing-key fields.
 ///
-/// Rank fields: every occurrence counts; values that disagree (between `routed_dp_rank` and
-/// `data_parallel_rank`, or a duplicated member) are an error, because guessing would route
-/// somewhere the client did not ask for. Key fields: list order decides between fields; within
-/// one field the last occurrence wins, as in Python's and serde's JSON parsers.
+/// Within one field the last occurrence wins, for ranks, keys and the room alike: the engines
+/// parse bodies into a Python `dict`, which keeps the last duplicate, so that is the value the
+/// engine acts on (an earlier invalid rank overwritten by a valid one is no error, as the engine
+/// never sees it). Rank fields: values that disagree between fields (`routed_dp_rank` against
+/// `data_parallel_rank`) are an error, because guessing would route somewhere the client did not
+/// ask for. Key fields: list order decides between fields.
 pub fn scan_body<'a>(cfg: &Config, body: &'a [u8]) -> Result<BodyFacts<'a>, ScanError> {
     scan_body_and_prompt(cfg, body, None).map(|(facts, _)| facts)
 }
@@ -312,6 +314,8 @@ pub fn scan_body_and_prompt<'a>(
     body: &'a [u8],
     api: Option<Api>,
 ) -> Result<(BodyFacts<'a>, Chain), ScanError> {
+    // A byte order mark is skipped here once for both walkers, as Python's `json.loads` does.
+    let body = strip_bom(body);
     let wanted: Vec<&str> = cfg.body.wanted_fields.iter().map(String::as_str).collect();
     let n_rank = if cfg.explicit.enabled {
         cfg.explicit.body_fields.len()
@@ -319,21 +323,12 @@ pub fn scan_body_and_prompt<'a>(
         0
     };
     let n_key = cfg.key.body_fields.len();
-    let mut rank: Option<Result<(u32, usize), RankError>> = None;
-    let mut keys: Vec<Option<Cow<'a, [u8]>>> = vec![None; n_key];
+    // Per rank and key field, its last occurrence (one allocation for both; `None`: absent).
+    let mut last: Vec<Option<Value<'a>>> = vec![None; n_rank + n_key];
     let mut room = None;
     let mut found = |idx: usize, value: Value<'a>| {
-        if idx < n_rank {
-            rank = merge_rank(cfg, rank.take(), &wanted, idx, &value);
-        } else if idx < n_rank + n_key {
-            // Every occurrence replaces the previous one (last duplicate wins, as in serde and
-            // Python); only a non-empty string is a key.
-            if let Some(slot) = keys.get_mut(idx - n_rank) {
-                *slot = match value {
-                    Value::Str(s) if !s.is_empty() => Some(s),
-                    _ => None,
-                };
-            }
+        if let Some(slot) = last.get_mut(idx) {
+            *slot = Some(value);
         } else {
             room = match value {
                 Value::Number(raw) => parse_u64(raw), // not an integer >= 0: no room
@@ -355,36 +350,53 @@ pub fn scan_body_and_prompt<'a>(
             Chain::default()
         }
     };
+    let (rank_slots, key_slots) = last.split_at_mut(n_rank);
+    let ranks = rank_slots
+        .iter()
+        .enumerate()
+        .map(|(idx, value)| match value {
+            Some(v) => rank_from_json(cfg, wanted.get(idx).copied().unwrap_or_default(), v),
+            None => Ok(None),
+        });
     let facts = BodyFacts {
-        rank: rank.map(|r| r.map(|(n, _)| n)),
-        key: keys.into_iter().flatten().next(),
+        rank: merge_ranks(&wanted, ranks),
+        // Only a non-empty string is a key; the first field in list order holding one wins.
+        key: key_slots.iter_mut().find_map(|value| match value.take() {
+            Some(Value::Str(s)) if !s.is_empty() => Some(s),
+            _ => None,
+        }),
         room,
     };
     Ok((facts, chain))
 }
 
-/// Folds one more rank occurrence into what was seen so far. The first error sticks.
-fn merge_rank(
-    cfg: &Config,
-    seen: Option<Result<(u32, usize), RankError>>,
+/// Folds the rank fields' values (each its field's last occurrence, in `explicit.body_fields`
+/// order) into one rank: absent fields are skipped, the first invalid one is the error, and a
+/// field disagreeing with an earlier one is an error naming both.
+fn merge_ranks(
     wanted: &[&str],
-    idx: usize,
-    value: &Value<'_>,
-) -> Option<Result<(u32, usize), RankError>> {
-    let field = wanted[idx];
-    let this = match rank_from_json(cfg, field, value) {
-        Ok(None) => return seen,
-        Ok(Some(n)) => n,
-        Err(e) => return Some(seen.map_or(Err(e.clone()), |s| s.and(Err(e)))),
-    };
-    match seen {
-        None => Some(Ok((this, idx))),
-        Some(Ok((prev, prev_idx))) if prev != this => Some(Err(RankError {
-            field: field.to_string(),
-            problem: format!("conflicts with {} = {prev}: got {this}", wanted[prev_idx]),
-        })),
-        other => other,
+    ranks: impl Iterator<Item = Result<Option<u32>, RankError>>,
+) -> Option<Result<u32, RankError>> {
+    let mut seen: Option<(u32, usize)> = None;
+    for (idx, rank) in ranks.enumerate() {
+        let this = match rank {
+            Ok(None) => continue,
+            Ok(Some(n)) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        match seen {
+            None => seen = Some((this, idx)),
+            Some((prev, prev_idx)) if prev != this => {
+                let name = |i: usize| wanted.get(i).copied().unwrap_or_default();
+                return Some(Err(RankError {
+                    field: name(idx).to_string(),
+                    problem: format!("conflicts with {} = {prev}: got {this}", name(prev_idx)),
+                }));
+            }
+            Some(_) => {}
+        }
     }
+    seen.map(|(n, _)| Ok(n))
 }
 
 #[cfg(test)]
@@ -617,11 +629,12 @@ mod tests {
                 "data_parallel_rank",
             ),
             (
-                r#"{"routed_dp_rank":1,"routed_dp_rank":2}"#,
+                r#"{"routed_dp_rank":2,"routed_dp_rank":"x"}"#,
                 "routed_dp_rank",
             ),
+            // Fields are merged in list order, whatever the document order.
             (
-                r#"{"routed_dp_rank":"x","routed_dp_rank":2}"#,
+                r#"{"data_parallel_rank":"x","routed_dp_rank":9}"#,
                 "routed_dp_rank",
             ),
         ];
@@ -633,6 +646,107 @@ mod tests {
         }
         let agree = body(&c, r#"{"routed_dp_rank":1,"data_parallel_rank":1}"#);
         assert_eq!(agree.rank, Some(Ok(1)));
+    }
+
+    /// A duplicated member: the engine's Python `dict` keeps the last occurrence, so the filter
+    /// routes on that one (rank, key and room alike), never on one the engine does not see.
+    #[test]
+    fn duplicated_members_take_the_last_occurrence_like_python() {
+        let c = Config::from_json(br#"{"dp_size":4,"assign":{"mode":"bootstrap_room"}}"#).unwrap();
+        let cases: [(&str, Option<Result<u32, &str>>); 7] = [
+            (r#"{"routed_dp_rank":1,"routed_dp_rank":2}"#, Some(Ok(2))),
+            (r#"{"routed_dp_rank":"x","routed_dp_rank":2}"#, Some(Ok(2))),
+            (r#"{"routed_dp_rank":9,"routed_dp_rank":null}"#, None),
+            (
+                r#"{"routed_dp_rank":1,"routed_dp_rank":null,"data_parallel_rank":3}"#,
+                Some(Ok(3)),
+            ),
+            (
+                r#"{"routed_dp_rank":1,"data_parallel_rank":1,"data_parallel_rank":2}"#,
+                Some(Err("data_parallel_rank")),
+            ),
+            (
+                r#"{"data_parallel_rank":2,"routed_dp_rank":1,"data_parallel_rank":1}"#,
+                Some(Ok(1)),
+            ),
+            (
+                r#"{"routed_dp_rank":0,"routed_dp_rank":NaN}"#,
+                Some(Err("routed_dp_rank")),
+            ),
+        ];
+        for (json, want) in cases {
+            let got = body(&c, json).rank.map(|r| r.map_err(|e| e.field));
+            assert_eq!(got, want.map(|r| r.map_err(String::from)), "{json}");
+        }
+        let b = body(
+            &c,
+            r#"{"user":"a","bootstrap_room":1,"user":"b","bootstrap_room":6}"#,
+        );
+        assert_eq!((b.key.as_deref(), b.room), (Some(&b"b"[..]), Some(6)));
+    }
+
+    /// Bodies the engines' parser (Python's `json.loads` of the bytes) accepts are read, with the
+    /// prompt walker too: a byte order mark, NaN and the infinities, lone surrogates in a key.
+    #[test]
+    fn reads_bodies_python_accepts_with_and_without_the_prompt() {
+        let c = Config::from_json(br#"{"dp_size":4,"prefix":{"enabled":true,"block_bytes":16}}"#)
+            .unwrap();
+        let prompt =
+            r#""messages":[{"role":"user","content":"a long enough question to fill blocks"}]"#;
+        let cases: [(Vec<u8>, &[u8]); 5] = [
+            (
+                [
+                    b"\xEF\xBB\xBF",
+                    format!(r#"{{"user":"u",{prompt}}}"#).as_bytes(),
+                ]
+                .concat(),
+                b"u",
+            ),
+            (
+                format!(r#"{{"temperature":NaN,"user":"u",{prompt}}}"#).into_bytes(),
+                b"u",
+            ),
+            (
+                format!(
+                    r#"{{"logit_bias":{{"1":-Infinity}},"top_p":Infinity,"user":"u",{prompt}}}"#
+                )
+                .into_bytes(),
+                b"u",
+            ),
+            (
+                format!(r#"{{"prompt_cache_key":"p\ud800","user":"u",{prompt}}}"#).into_bytes(),
+                b"p\xed\xa0\x80",
+            ),
+            (
+                br#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,NaN],"user":"u"}"#
+                    .to_vec(),
+                b"u",
+            ),
+        ];
+        for (json, key) in &cases {
+            let shown = String::from_utf8_lossy(json);
+            let facts = scan_body(&c, json).unwrap_or_else(|e| panic!("{shown}: {e:?}"));
+            assert_eq!(facts.key.as_deref(), Some(*key), "{shown}");
+            let api = if json.windows(8).any(|w| w == b"messages") {
+                Api::Chat
+            } else {
+                Api::Completions
+            };
+            let (with_prompt, chain) = scan_body_and_prompt(&c, json, Some(api))
+                .unwrap_or_else(|e| panic!("{shown}: {e:?}"));
+            assert_eq!(with_prompt, facts, "{shown}");
+            if api == Api::Chat {
+                assert!(!chain.is_empty(), "the prompt is read too: {shown}");
+            }
+        }
+        let bom_chain = scan_body_and_prompt(&c, &cases[0].0, Some(Api::Chat))
+            .unwrap()
+            .1;
+        let plain = format!(r#"{{"user":"u",{prompt}}}"#);
+        let plain_chain = scan_body_and_prompt(&c, plain.as_bytes(), Some(Api::Chat))
+            .unwrap()
+            .1;
+        assert_eq!(bom_chain, plain_chain, "the mark is not part of the prompt");
     }
 
     #[test]

@@ -11,8 +11,27 @@
 //! - strings are skipped eight bytes at a time (SWAR), which is most of a prompt;
 //! - it never panics on any input: every index is checked.
 //!
-//! Leniency, by design: bytes inside strings the filter does not want are not UTF-8 validated
-//! (the upstream engine does that); control characters inside strings are accepted.
+//! # Which bodies it accepts: the engines' parser, not just RFC 8259
+//!
+//! SGLang and vLLM read a request body with FastAPI, which hands the bytes to Starlette's
+//! `Request.json()`, i.e. Python's `json.loads(bytes)`, and validates the dict with pydantic. A
+//! body that parser accepts but this scanner refused would be counted `body_malformed` and its
+//! routing key ignored while the engine serves it, so the scanner accepts everything `json.loads`
+//! does on a UTF-8 body:
+//! - one UTF-8 byte order mark at the very start (`json.loads` of bytes decodes them as
+//!   `utf-8-sig`); a second one, or one after whitespace, is refused as Python refuses it;
+//! - `NaN`, `Infinity` and `-Infinity` as numbers (reported as [`Value::Number`] with that text);
+//!   `-NaN`, `+Infinity`, `nan` stay errors, as in Python;
+//! - lone surrogates in `\u` escapes (see [`Scanner::string`] for the bytes they become);
+//! - duplicate member names: every occurrence is reported, in document order, so a caller can
+//!   keep the last one as Python's `dict` does.
+//!
+//! Leniency beyond Python, by design, where it cannot route a request wrongly (the engine refuses
+//! such a body whole, so the rank the filter picked never serves it): bytes inside strings are
+//! not UTF-8 validated; raw control characters inside strings, integers of more than 4,300
+//! digits and nesting deeper than Python's recursion limit are accepted. Not accepted: UTF-16 and
+//! UTF-32 bodies (which `json.loads` detects and decodes): RFC 8259 requires UTF-8 between
+//! systems, no client library sends them, and reading them would need a body-sized copy.
 
 use std::borrow::Cow;
 
@@ -62,7 +81,10 @@ pub fn scan_top_level<'a>(
     wanted: &[&str],
     mut found: impl FnMut(usize, Value<'a>),
 ) -> Result<(), ScanError> {
-    let mut s = Scanner { b: body, i: 0 };
+    let mut s = Scanner {
+        b: body,
+        i: bom_len(body),
+    };
     s.skip_ws();
     if s.peek() != Some(b'{') {
         return Err(ScanError::NotAnObject);
@@ -96,8 +118,26 @@ pub fn scan_top_level<'a>(
     }
 }
 
+/// The UTF-8 byte order mark, which Python's `json.loads(bytes)` skips at the start of a body.
+pub const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// How many bytes of a byte order mark `body` starts with: 3 or 0.
+fn bom_len(body: &[u8]) -> usize {
+    if body.starts_with(UTF8_BOM) {
+        UTF8_BOM.len()
+    } else {
+        0
+    }
+}
+
+/// `body` without the one UTF-8 byte order mark it may start with, for walkers that start their
+/// own [`Scanner`] at the first byte.
+pub fn strip_bom(body: &[u8]) -> &[u8] {
+    body.get(bom_len(body)..).unwrap_or(body)
+}
+
 /// The cursor over a body. Crate-visible so other single-pass walkers (the prompt walker in
-/// `prefix`) reuse the same grammar checks instead of growing a second JSON reader.
+/// `prompt`) reuse the same grammar checks instead of growing a second JSON reader.
 pub(crate) struct Scanner<'a> {
     pub(crate) b: &'a [u8],
     pub(crate) i: usize,
@@ -151,7 +191,7 @@ impl<'a> Scanner<'a> {
             Some(b't') => self.literal(b"true").map(|_| Value::Bool(true)),
             Some(b'f') => self.literal(b"false").map(|_| Value::Bool(false)),
             Some(b'n') => self.literal(b"null").map(|_| Value::Null),
-            Some(b'-' | b'0'..=b'9') => self.number().map(Value::Number),
+            Some(b'-' | b'0'..=b'9' | b'N' | b'I') => self.number().map(Value::Number),
             _ => Err(self.err()),
         }
     }
@@ -165,7 +205,8 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// Checks the number grammar `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
+    /// Checks the number grammar `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, plus Python's
+    /// `NaN`, `Infinity` and `-Infinity` (never `-NaN`), which `json.loads` reads as floats.
     pub(crate) fn number(&mut self) -> Result<&'a [u8], ScanError> {
         let start = self.i;
         if self.peek() == Some(b'-') {
@@ -174,6 +215,10 @@ impl<'a> Scanner<'a> {
         match self.peek() {
             Some(b'0') => self.i += 1,
             Some(b'1'..=b'9') => self.digits(),
+            Some(b'I') => return self.literal(b"Infinity").map(|_| &self.b[start..self.i]),
+            Some(b'N') if self.i == start => {
+                return self.literal(b"NaN").map(|_| &self.b[start..self.i]);
+            }
             _ => return Err(self.err()),
         }
         if self.peek() == Some(b'.') {
@@ -207,6 +252,14 @@ impl<'a> Scanner<'a> {
     }
 
     /// Parses a string at the cursor (which must be on `"`), unescaping only when needed.
+    ///
+    /// The bytes handed back are what Python's `s.encode("utf-8", "surrogatepass")` gives for
+    /// the string `json.loads` reads (on a body that is valid UTF-8), so equal strings to the
+    /// engine are equal bytes here, and a routing key hashes the same however it was escaped.
+    /// A lone surrogate escape (`\ud800`, or a high one not followed by a low one) becomes the
+    /// three bytes of its code point in generalised UTF-8 (`ED A0 80`), as Python's codec writes
+    /// it: distinct lone surrogates stay distinct keys, and a raw `ED A0 80` in the body (which
+    /// Python decodes to the same lone surrogate) hashes the same as its escape.
     pub(crate) fn string(&mut self) -> Result<Cow<'a, [u8]>, ScanError> {
         self.expect(b'"')?;
         let start = self.i;
@@ -254,33 +307,31 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// Decodes `XXXX` after `\u` (and a following low surrogate), appending UTF-8.
-    /// A lone surrogate becomes U+FFFD, as serde_json's lossy readers do not accept it at all,
-    /// but a routing key must still hash to something stable rather than fail the request.
+    /// Decodes `XXXX` after `\u` (and a following low surrogate), appending UTF-8; a lone
+    /// surrogate is appended as its generalised UTF-8 bytes (see [`Scanner::string`]).
     fn unicode_escape(&mut self, out: &mut Vec<u8>) -> Result<(), ScanError> {
         let hi = self.hex4()?;
-        let code = if (0xD800..0xDC00).contains(&hi) {
-            if self.b.get(self.i..self.i + 2) == Some(b"\\u") {
-                let save = self.i;
-                self.i += 2;
-                let lo = self.hex4()?;
-                if (0xDC00..0xE000).contains(&lo) {
-                    0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00)
-                } else {
-                    self.i = save;
-                    0xFFFD
-                }
+        let mut code = hi;
+        if (0xD800..0xDC00).contains(&hi) && self.b.get(self.i..self.i + 2) == Some(b"\\u") {
+            let save = self.i;
+            self.i += 2;
+            let lo = self.hex4()?;
+            if (0xDC00..0xE000).contains(&lo) {
+                code = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
             } else {
-                0xFFFD
+                // Not a pair: this escape stands alone and the next one is read on its own.
+                self.i = save;
             }
-        } else if (0xDC00..0xE000).contains(&hi) {
-            0xFFFD
-        } else {
-            hi
-        };
-        let ch = char::from_u32(code).unwrap_or('\u{FFFD}');
-        let mut buf = [0u8; 4];
-        out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+        }
+        match char::from_u32(code) {
+            Some(ch) => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+            }
+            // Only a lone surrogate (U+D800..U+DFFF) is no `char`: four hex digits cannot
+            // exceed U+FFFF, and a combined pair is always a valid code point.
+            None => out.extend_from_slice(&generalised_utf8_3(code)),
+        }
         Ok(())
     }
 
@@ -377,6 +428,16 @@ impl<'a> Scanner<'a> {
             }
         }
     }
+}
+
+/// The three-byte UTF-8 form of a code point in U+0800..=U+FFFF, surrogates included (which
+/// strict UTF-8 forbids and Python's `surrogatepass` writes).
+fn generalised_utf8_3(code: u32) -> [u8; 3] {
+    [
+        0xE0 | (code >> 12 & 0x0F) as u8,
+        0x80 | (code >> 6 & 0x3F) as u8,
+        0x80 | (code & 0x3F) as u8,
+    ]
 }
 
 /// Index of the first `"` or `\` at or after `from`, or `b.len()`.
@@ -498,11 +559,99 @@ mod tests {
 
     #[test]
     fn unescapes_wanted_strings_and_names() {
-        let body = r#"{"routing\u005fkey":"a\"b\\c\/\n\u00e9\ud83d\ude00\ud800x"}"#;
+        let body = r#"{"routing\u005fkey":"a\"b\\c\/\n\u00e9\ud83d\ude00x"}"#;
         assert_eq!(
             scan(body, &["routing_key"]).unwrap(),
-            vec![(0, s("a\"b\\c/\né😀\u{FFFD}x"))]
+            vec![(0, s("a\"b\\c/\né😀x"))]
         );
+    }
+
+    fn bytes(x: &[u8]) -> Value<'static> {
+        Value::Str(Cow::Owned(x.to_vec()))
+    }
+
+    /// Each escape against the bytes of Python 3.11's
+    /// `json.loads(b'{"k":"<escape>"}')["k"].encode("utf-8", "surrogatepass")`.
+    #[test]
+    fn lone_surrogates_become_the_bytes_python_encodes() {
+        let cases: [(&str, &[u8]); 9] = [
+            (r"\ud800", b"\xed\xa0\x80"),
+            (r"\udc00x", b"\xed\xb0\x80x"),
+            (r"\udfff", b"\xed\xbf\xbf"),
+            (r"\ud83d\ude00", "😀".as_bytes()),
+            // A high surrogate followed by an escape that is not a low one: both stand alone.
+            (r"\ud800\u0041", b"\xed\xa0\x80A"),
+            (r"\ud800\ud800\udc00", b"\xed\xa0\x80\xf0\x90\x80\x80"),
+            // A low surrogate before a high one is no pair.
+            (r"\udc00\ud800", b"\xed\xb0\x80\xed\xa0\x80"),
+            (r"\ud800\n", b"\xed\xa0\x80\n"),
+            (r"\uFFFD", "\u{FFFD}".as_bytes()),
+        ];
+        for (escape, want) in cases {
+            let body = format!(r#"{{"k":"{escape}"}}"#);
+            assert_eq!(
+                scan(&body, &["k"]).unwrap(),
+                vec![(0, bytes(want))],
+                "{escape}"
+            );
+        }
+        // Distinct lone surrogates are distinct keys (no shared replacement character), and a raw
+        // `ED A0 80` in the body, which Python decodes to the same lone surrogate, is equal.
+        let raw: &'static [u8] = b"{\"k\":\"\xed\xa0\x80\"}";
+        let mut got = Vec::new();
+        scan_top_level(raw, &["k"], |_, v| got.push(v)).unwrap();
+        assert_eq!(got, vec![bytes(b"\xed\xa0\x80")]);
+        let broken = [r#"{"k":"\ud800\u12"}"#, r#"{"k":"\ud800\uZZZZ"}"#];
+        for body in broken {
+            assert!(scan(body, &["k"]).is_err(), "{body}");
+        }
+    }
+
+    /// Bodies Python 3.11's `json.loads(bytes)` reads (checked there), and the value it sees.
+    #[test]
+    fn accepts_what_python_json_accepts() {
+        let cases: [(&[u8], Value<'static>); 8] = [
+            (b"\xEF\xBB\xBF{\"k\":\"a\"}", s("a")),
+            (b"\xEF\xBB\xBF \n{\"k\":\"a\"}", s("a")),
+            (b"{\"t\":NaN,\"k\":\"a\"}", s("a")),
+            (b"{\"k\":NaN}", Value::Number(b"NaN")),
+            (b"{\"k\":Infinity}", Value::Number(b"Infinity")),
+            (b"{\"k\":-Infinity}", Value::Number(b"-Infinity")),
+            (b"{\"k\":[NaN,-Infinity,{\"x\":Infinity}]}", Value::Array),
+            (b"{\"k\":\"a\",\"k\":\"b\"}", s("b")),
+        ];
+        for (body, want) in cases {
+            let mut last = None;
+            let got = scan_top_level(body, &["k"], |_, v| last = Some(v));
+            assert_eq!(got, Ok(()), "{}", String::from_utf8_lossy(body));
+            assert_eq!(last, Some(want), "{}", String::from_utf8_lossy(body));
+        }
+        assert_eq!(strip_bom(b"\xEF\xBB\xBF{}"), b"{}");
+        assert_eq!(strip_bom(b" \xEF\xBB\xBF{}"), b" \xEF\xBB\xBF{}");
+        assert_eq!(strip_bom(b"\xEF\xBB"), b"\xEF\xBB");
+    }
+
+    /// Bodies Python 3.11's `json.loads(bytes)` refuses too: its extensions stop exactly there.
+    #[test]
+    fn refuses_what_python_json_refuses_near_its_extensions() {
+        let bad: [&[u8]; 12] = [
+            b" \xEF\xBB\xBF{}",
+            b"\xEF\xBB\xBF\xEF\xBB\xBF{}",
+            b"{}\xEF\xBB\xBF",
+            b"\xEF\xBB{}",
+            b"{\"k\":-NaN}",
+            b"{\"k\":+Infinity}",
+            b"{\"k\":nan}",
+            b"{\"k\":infinity}",
+            b"{\"k\":NaN1}",
+            b"{\"k\":Infinityx}",
+            b"{\"k\":Infinit}",
+            b"{\"k\":[Na]}",
+        ];
+        for body in bad {
+            let got = scan_top_level(body, &["k"], |_, _| {});
+            assert!(got.is_err(), "accepted {}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

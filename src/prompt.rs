@@ -128,6 +128,8 @@ pub fn scan_prompt<'a>(
     wanted: &[&str],
     mut found: impl FnMut(usize, Value<'a>),
 ) -> Result<Chain, ScanError> {
+    // The engines' parser skips a leading byte-order mark; so do both body readers.
+    let body = crate::json_scan::strip_bom(body);
     let mut s = Scanner { b: body, i: 0 };
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;

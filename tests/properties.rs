@@ -458,22 +458,30 @@ type Expected = (Option<Result<u32, String>>, Option<Vec<u8>>, Option<u64>);
 fn expected_body_facts(cfg: &BodyCfg, members: &[(String, &J)]) -> Expected {
     // A JSON integer literal (serde parses those, and only those, as u64) below dp_size.
     let valid_rank = |v: &J| v.as_u64().filter(|&n| n < u64::from(cfg.dp_size));
+    // The engine's Python dict keeps each member's last occurrence.
+    let lookup = |field: &str| {
+        members
+            .iter()
+            .rev()
+            .find(|(n, _)| n == field)
+            .map(|(_, v)| *v)
+    };
     let mut rank: Option<Result<u32, String>> = None;
     if cfg.explicit {
-        for (name, v) in members {
-            if !RANK_FIELDS.contains(&name.as_str()) || v.is_null() {
+        // Each field's last value, the fields in list order.
+        for field in RANK_FIELDS {
+            let Some(v) = lookup(field).filter(|v| !v.is_null()) else {
                 continue;
-            }
+            };
             rank = match (rank, valid_rank(v)) {
                 (Some(Err(first)), _) => Some(Err(first)),
-                (_, None) => Some(Err(name.clone())),
+                (_, None) => Some(Err(field.to_string())),
                 (None, Some(n)) => Some(Ok(n as u32)),
-                (Some(Ok(prev)), Some(n)) if u64::from(prev) != n => Some(Err(name.clone())),
+                (Some(Ok(prev)), Some(n)) if u64::from(prev) != n => Some(Err(field.to_string())),
                 (same, _) => same,
             };
         }
     }
-    let lookup = |field: &str| members.iter().find(|(n, _)| n == field).map(|(_, v)| *v);
     let key = cfg.key_fields.iter().find_map(|f| match lookup(f) {
         Some(J::String(s)) if !s.is_empty() => Some(s.as_bytes().to_vec()),
         _ => None,
@@ -635,8 +643,9 @@ proptest! {
 
     /// Objects with duplicated members: the scanner reports every occurrence and its last one per
     /// name is serde's value (serde keeps the last duplicate); `scan_body`'s explicit rank follows
-    /// the documented rule over all occurrences (null = absent, any invalid or disagreeing
-    /// occurrence is an error naming the first offending field).
+    /// the documented rule over each field's last occurrence, as the engine's Python dict keeps
+    /// it (null = absent, the first invalid field in list order, or one disagreeing with an
+    /// earlier field, is the error).
     #[test]
     fn scanner_agrees_with_serde_on_duplicate_members(
         members in top_object(),

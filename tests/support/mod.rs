@@ -5,6 +5,7 @@
 //! uses a different subset of it, so unused items are expected per crate.
 #![allow(dead_code)]
 
+pub mod clients;
 pub mod counters;
 pub mod envoy;
 pub mod fnv;

@@ -59,3 +59,13 @@ fn artifact(var: &str, default_rel: &str, what: &str) -> PathBuf {
 fn is_file(path: &Path) -> bool {
     path.metadata().map(|m| m.is_file()).unwrap_or(false)
 }
+
+/// The tools venv's Python, which has the client libraries the tests drive (the OpenAI SDK),
+/// installed by `scripts/install-tools.sh`.
+pub fn python_bin() -> PathBuf {
+    artifact(
+        "DP_AFFINITY_PYTHON",
+        ".tools/venv/bin/python",
+        "tools venv python",
+    )
+}
