@@ -56,6 +56,7 @@ STRING_VALUE = "type.googleapis.com/google.protobuf.StringValue"
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 WASM_MAGIC = b"\0asm"
+DEFAULT_WASM = "target/wasm32-wasip1/release/dp_affinity.wasm"  # `make build`, relative to the root
 ENGINE_CONFIGS = ("envoy.sglang-dp.yaml", "envoy.vllm-dp.yaml")
 SET_NAMES = ("istio/ranks", "istio/engine", "envoy-gateway/ranks", "envoy-gateway/engine")
 
@@ -163,7 +164,7 @@ def dockerignored(rel, patterns):
     return excluded
 
 
-def check_image(deploy, context):
+def check_image(deploy, context, built_wasm):
     print("deploy/wasm-image:")
     path = os.path.join(deploy, "wasm-image", "Dockerfile")
     try:
@@ -187,6 +188,11 @@ def check_image(deploy, context):
               "plugin.wasm (at the image root)")
     src_path = os.path.join(context, src)
     if not os.path.isfile(src_path):
+        if src == DEFAULT_WASM and os.path.isfile(built_wasm):
+            # Built elsewhere (CARGO_TARGET_DIR): `docker build` needs it at the COPY path.
+            print(f"  note wasm-image/Dockerfile: {src} is not built here (the filter was built at "
+                  f"{built_wasm}); `docker build` needs it there")
+            return
         error(f"wasm-image/Dockerfile: COPY source {src} does not exist in the build context "
               f"{context} (run `make build`)")
         return
@@ -333,7 +339,12 @@ def check_rank_routes(where, routes, plugin, header_of):
 DUMP_DIR = None  # --dump: keep every generated bootstrap there
 
 
-def run_envoy(envoy, bootstrap, what):
+def run_envoy(envoy, bootstrap, what, errors_before):
+    """`envoy --mode validate` on a generated bootstrap, unless the checks of the same part already
+    failed: the report then names the cause instead of Envoy's echo of it (and stays fast)."""
+    if len(errors) > errors_before:
+        print(f"  note {what}: `envoy --mode validate` not run: fix the problems above first")
+        return
     with tempfile.TemporaryDirectory(prefix="dp-affinity-deploy-") as tmp:
         path = os.path.join(tmp, "bootstrap.yaml")
         with open(path, "w", encoding="utf-8") as f:
@@ -612,6 +623,7 @@ def istio_route_header(route, header):
 
 def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
     print(f"deploy/{name}:")
+    errors_before = len(errors)
     gateways = by_kind(docs, "Gateway")
     selector = gateways[0]["spec"]["selector"] if gateways else {}
     for ef in by_kind(docs, "EnvoyFilter") + by_kind(docs, "WasmPlugin"):
@@ -664,7 +676,8 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
         h["http_filters"] = insert_before_router(h["http_filters"], flt)
         listeners.append(lst)
     check_routes(name, routes, plugins, engine, istio_route_header)
-    run_envoy(envoy, ads_bootstrap(listeners, clusters), f"{name}: generated gateway with every patch and filter")
+    run_envoy(envoy, ads_bootstrap(listeners, clusters), f"{name}: generated gateway with every patch and filter",
+              errors_before)
 
 
 def check_routes(name, routes, plugins, engine, header_of):
@@ -783,6 +796,7 @@ def eg_extension_filter(eep, index, wasm_path):
 
 def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
     print(f"deploy/{name}:")
+    errors_before = len(errors)
     gw = by_kind(docs, "Gateway")[0]
     ns, gname = gw["metadata"].get("namespace", "default"), gw["metadata"]["name"]
     buffer = EG_DEFAULT_BUFFER
@@ -863,7 +877,7 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                 out.append(lst)
     check_routes(name, routes, plugins, engine, istio_route_header)
     run_envoy(envoy, {"static_resources": {"listeners": out, "clusters": clusters}},
-              f"{name}: generated gateway with every patch and filter")
+              f"{name}: generated gateway with every patch and filter", errors_before)
 
 
 # --- the one-engine Envoy configs ---------------------------------------------------------------
@@ -872,6 +886,7 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
 def check_engine_configs(envoy_dir, reference, reference_wasm, envoy, wasm_path):
     for name in ENGINE_CONFIGS:
         print(f"envoy/{name}:")
+        errors_before = len(errors)
         path = os.path.join(envoy_dir, name)
         cfg = load_docs(path)[0]
         lst = cfg["static_resources"]["listeners"][0]
@@ -896,7 +911,7 @@ def check_engine_configs(envoy_dir, reference, reference_wasm, envoy, wasm_path)
         if any(not r["route"].get("retry_policy", {}).get("per_try_idle_timeout") for r in routes):
             error(f"envoy/{name}: every route needs retry_policy.per_try_idle_timeout (a silent rank)")
         flts[0]["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = wasm_path
-        run_envoy(envoy, cfg, f"envoy/{name} (wasm {os.path.relpath(wasm_path, ROOT)})")
+        run_envoy(envoy, cfg, f"envoy/{name} (wasm {os.path.relpath(wasm_path, ROOT)})", errors_before)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -941,7 +956,7 @@ def main():
 
     parsed = parse_all(args.deploy)  # always: the sets are built from it
     if "image" in wanted:
-        check_image(args.deploy, args.context)
+        check_image(args.deploy, args.context, wasm)
     reference, reference_wasm = reference_plugin(args.envoy_dir)
     if "engine-configs" in wanted:
         try:
