@@ -5,7 +5,9 @@
 #   make run       4 mock ranks + Envoy with envoy/envoy.yaml on 127.0.0.1:10000 (admin :9901)
 #   make test      tools + build + lint + validate + unit tests + end-to-end tests (what CI runs)
 #   make lint      rustfmt check + clippy (native workspace and the wasm target), warnings are errors
-#   make validate  `envoy --mode validate` on every shipped Envoy config + the docker harness
+#   make validate  `envoy --mode validate` on every shipped Envoy config, the docker harness and
+#                  every Envoy config embedded in deploy/ (Istio, Envoy Gateway), plus the
+#                  validator's own test (broken copies must fail)
 #   make unit      native unit tests (no Envoy needed), the module-graph check among them
 #   make e2e       end-to-end tests through a real Envoy
 #   make bench     scripts/bench.sh: native micro-benchmarks, wasm size, overhead through Envoy,
@@ -85,7 +87,10 @@ fmt:
 	$(CARGO) fmt --all
 
 # validate loads the wasm and runs the filter's on_configure, so it needs the build: a plugin
-# configuration the filter refuses fails here, before any test starts Envoy.
+# configuration the filter refuses fails here, before any test starts Envoy. The one-engine configs
+# (envoy/envoy.sglang-dp.yaml, envoy/envoy.vllm-dp.yaml) and the manifests under deploy/ are
+# validated by scripts/validate-deploy.py; scripts/test-validate-deploy.py checks that it refuses
+# broken copies of them.
 # envoy/envoy.yaml names the wasm relative to the repo root (make runs here). If the artifact
 # lives elsewhere (CARGO_TARGET_DIR, DP_AFFINITY_WASM), a copy pointing at it is validated.
 SHIPPED_WASM := target/$(WASM_TARGET)/release/dp_affinity.wasm
@@ -101,6 +106,8 @@ validate: tools build
 	  "$(DP_AFFINITY_ENVOY)" --mode validate -c "$$tmp/envoy.yaml" --log-level warn; \
 	fi
 	"$(PYTHON)" scripts/validate-compose.py
+	"$(PYTHON)" scripts/validate-deploy.py
+	"$(PYTHON)" scripts/test-validate-deploy.py
 
 # Native unit tests of every workspace member (library and binary targets, then doc tests).
 # The library's include `module_graph::the_crate_has_no_import_cycle`: no module of src/ imports

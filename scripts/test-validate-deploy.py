@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Tests scripts/validate-deploy.py itself: the shipped manifests pass, and each broken copy fails
+with the message that names its fault.
+
+Every case copies deploy/ and envoy/ to a temporary directory, breaks one thing by a literal text
+replacement (a replacement that no longer applies fails the test, so a case cannot silently stop
+testing anything), runs the validator on the copy (scoped with --only to the part the fault is
+in, to keep `make validate` fast) and asserts exit 1 plus the expected words in its output.
+Exit 0 = every case behaved, 1 = not.
+"""
+
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VALIDATOR = os.path.join(ROOT, "scripts", "validate-deploy.py")
+
+# (name, --only scope, [(file under the copy, old text, new text)], words the failure must contain)
+CASES = [
+    ("a manifest that is not YAML", ["files"],
+     [("deploy/istio/gateway.yaml", "  servers:\n", "  servers: [unclosed\n")],
+     "istio/gateway.yaml does not parse"),
+    ("a document without a kind", ["files"],
+     [("deploy/envoy-gateway/ranks/routing.yaml", "kind: HTTPRoute\n", "")],
+     "lack apiVersion, kind or metadata.name"),
+    ("the Istio body filter without allow_on_headers_stop_iteration", ["istio/ranks"],
+     [("deploy/istio/ranks/body-envoyfilter.yaml", "            allow_on_headers_stop_iteration: true\n", "")],
+     "allow_on_headers_stop_iteration is not true but the configuration reads the body"),
+    ("an Envoy field value Envoy refuses (caught by Envoy only)", ["istio/engine"],
+     [("deploy/istio/engine/body-envoyfilter.yaml", "failure_policy: FAIL_RELOAD", "failure_policy: FAIL_RELOADED")],
+     "istio/engine: generated gateway with every patch and filter: `envoy --mode validate` failed"),
+    ("a plugin configuration the filter refuses (caught by its on_configure only)", ["envoy-gateway/engine"],
+     [("deploy/envoy-gateway/engine/body-patchpolicy.yaml", '"dp_size": 4,', '"dp_size": 0,')],
+     "envoy-gateway/engine: generated gateway with every patch and filter: `envoy --mode validate` failed"),
+    ("a plugin configuration that strays from envoy.yaml's", ["envoy-gateway/ranks"],
+     [("deploy/envoy-gateway/ranks/body-patchpolicy.yaml", '"ways": 16,', '"ways": 999,')],
+     "plugin configuration differs from envoy/envoy.yaml's (rank clusters variant) at table.ways"),
+    ("an ECDS type URL the filter is not", ["istio/ranks"],
+     [("deploy/istio/ranks/body-envoyfilter.yaml", 'type_urls: ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]',
+       'type_urls: ["type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"]')],
+     "not in the filter's type_urls"),
+    ("a missing rank route", ["istio/ranks"],
+     [("deploy/istio/ranks/routing.yaml", "        x-dp-affinity-cluster: {exact: dp-rank-3}",
+       "        x-dp-affinity-cluster: {exact: dp-rank-2}")],
+     "rank routes match x-dp-affinity-cluster"),
+    ("a rank route that passes the internal header to the engine", ["envoy-gateway/ranks"],
+     [("deploy/envoy-gateway/ranks/routing.yaml",
+       "  - matches:\n    - headers: [{name: x-dp-affinity-cluster, value: dp-rank-1}]\n    filters:\n    - type: RequestHeaderModifier\n      requestHeaderModifier: {remove: [x-dp-affinity-cluster]}\n",
+       "  - matches:\n    - headers: [{name: x-dp-affinity-cluster, value: dp-rank-1}]\n")],
+     "the route for dp-rank-1 does not remove x-dp-affinity-cluster"),
+    ("a header-only WasmPlugin that reads body fields", ["istio/ranks"],
+     [("deploy/istio/ranks/header-wasmplugin.yaml", "      body_fields: []\n      max_bytes: 512",
+       "      body_fields: [routing_key]\n      max_bytes: 512")],
+     "cannot set allow_on_headers_stop_iteration but its configuration reads the body"),
+    ("the Envoy Gateway buffer limit left at 32 KiB", ["envoy-gateway/engine"],
+     [("deploy/envoy-gateway/gateway.yaml", "bufferLimit: 10Mi", "bufferLimit: 32Ki")],
+     "Envoy answers 413"),
+    ("a JSON patch path that is not in the generated listener", ["envoy-gateway/ranks"],
+     [("deploy/envoy-gateway/ranks/body-patchpolicy.yaml", "/default_filter_chain/filters/0/typed_config",
+       "/default_filter_chain/filters/1/typed_config")],
+     "does not exist in the generated listener"),
+    ("a patched listener name Envoy Gateway does not generate", ["envoy-gateway/engine"],
+     [("deploy/envoy-gateway/engine/body-patchpolicy.yaml", "name: llm/dp-gateway/http", "name: default/eg/http")],
+     "names the gateway's listeners"),
+    ("a wasm path no image volume provides", ["envoy-gateway/ranks"],
+     [("deploy/envoy-gateway/gateway.yaml", "mountPath: /opt/dp-affinity", "mountPath: /opt/wasm")],
+     "is not plugin.wasm in an image volume"),
+    ("two different wasm images", ["istio/ranks"],
+     [("deploy/istio/ranks/header-wasmplugin.yaml", "dp-affinity:0.1.0", "dp-affinity:0.2.0")],
+     "the manifests name different wasm images"),
+    ("a one-engine Envoy config with the cluster target", ["engine-configs"],
+     [("envoy/envoy.vllm-dp.yaml", '"mode": "engine_header",\n', ""),
+      ("envoy/envoy.vllm-dp.yaml", '"engine_header": "x-data-parallel-rank"', '"cluster_header": "x-dp-affinity-cluster"')],
+     "envoy/envoy.vllm-dp.yaml: plugin configuration differs from envoy/envoy.yaml's (engine variant) at target"),
+    ("a Dockerfile copying a file the build does not make", ["image"],
+     [("deploy/wasm-image/Dockerfile", "COPY target/wasm32-wasip1/release/dp_affinity.wasm",
+       "COPY target/wasm32-wasip1/release/dp-affinity.wasm")],
+     "does not exist in the build context"),
+    ("a Dockerfile putting the module where the fetchers do not look", ["image"],
+     [("deploy/wasm-image/Dockerfile", "/plugin.wasm", "/filter.wasm")],
+     "look for plugin.wasm"),
+    ("a .dockerignore that leaves the module out of the context", ["image"],
+     [("deploy/wasm-image/Dockerfile.dockerignore", "!target/wasm32-wasip1/release/dp_affinity.wasm\n", "")],
+     "is excluded by Dockerfile.dockerignore"),
+]
+
+
+def copy_tree(dst):
+    shutil.copytree(os.path.join(ROOT, "deploy"), os.path.join(dst, "deploy"))
+    shutil.copytree(os.path.join(ROOT, "envoy"), os.path.join(dst, "envoy"))
+    # The Dockerfile's build context: only the built module is needed.
+    wasm = "target/wasm32-wasip1/release/dp_affinity.wasm"
+    built = os.environ.get("DP_AFFINITY_WASM") or os.path.join(ROOT, wasm)
+    os.makedirs(os.path.dirname(os.path.join(dst, wasm)))
+    shutil.copy(built, os.path.join(dst, wasm))
+
+
+def run(copy_dir, only):
+    cmd = [sys.executable, VALIDATOR, "--deploy", os.path.join(copy_dir, "deploy"),
+           "--envoy-dir", os.path.join(copy_dir, "envoy"), "--context", copy_dir]
+    for part in only:
+        cmd += ["--only", part]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_case(tmp, i, case):
+    """None if the broken copy was refused as expected, else what went wrong (and the output)."""
+    name, only, edits, expect = case
+    case_dir = os.path.join(tmp, f"case{i}")
+    copy_tree(case_dir)
+    for rel, old, new in edits:
+        path = os.path.join(case_dir, rel)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if old not in text:
+            return f"{name}: {rel} no longer contains {old!r}: update this case", ""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text.replace(old, new, 1))
+    proc = run(case_dir, only)
+    if proc.returncode != 1 or expect not in proc.stdout:
+        return f"{name}: expected exit 1 with {expect!r}, got exit {proc.returncode}", proc.stdout
+    return None, f"  ok   {name}: refused ({expect})\n"
+
+
+def main():
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="dp-affinity-validate-test-") as tmp:
+        pristine = os.path.join(tmp, "pristine")
+        copy_tree(pristine)
+        # The cases run concurrently: each is a validator process plus at most one Envoy, and
+        # they share nothing but the read-only build.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            baseline = pool.submit(run, pristine, [])
+            cases = [pool.submit(run_case, tmp, i, c) for i, c in enumerate(CASES)]
+            proc = baseline.result()
+            if proc.returncode != 0:
+                sys.stdout.write(proc.stdout)
+                failures.append("the unmodified copy does not pass")
+            else:
+                print("  ok   the unmodified copy passes")
+            for future in cases:
+                failure, output = future.result()
+                sys.stdout.write(output)
+                if failure:
+                    failures.append(failure)
+    if failures:
+        for f in failures:
+            print(f"  FAIL {f}")
+        print(f"test-validate-deploy: {len(failures)} failure(s)")
+        return 1
+    print(f"test-validate-deploy: OK ({len(CASES)} broken copies refused)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
