@@ -66,9 +66,8 @@ pub struct PrefixConfig {
     /// A match at least this deep keeps its rank under the looser bound of a pinned key
     /// (`assign.pinned_load_factor`); shallower matches get the bound of a new key.
     pub sticky_blocks: u32,
-    /// A match on a branched position (a prefix other prompts share) keeps its rank only while
-    /// that rank has at most this many more requests in flight than the least loaded usable
-    /// rank; otherwise the request is placed by load like a new one.
+    /// No effect: accepted (and range-checked) so configurations written for the rule it tuned
+    /// still load; `load_blocks` and `home_blocks` weigh shared prefixes now.
     pub shared_slack: u32,
     /// Prompt blocks one more request in flight on a rank is worth, when a match there is weighed
     /// against the request's home (`assign.mode` other than `envoy`).
@@ -97,12 +96,7 @@ impl Default for PrefixConfig {
     ///   Shared prefixes are told apart by the branched flag, not by depth; a higher value makes
     ///   shallow matches yield at the new-key bound too (for deployments whose conversations are
     ///   known to be long and whose short prefixes are all shared).
-    /// - `shared_slack` 0: a prefix other prompts share (see the `prefix_index` module doc) is
-    ///   computed once per rank and then served from every cache, so it only decides between
-    ///   equally loaded ranks; a popular system prompt does not pile its conversations onto one
-    ///   rank. Raise it when shared prefixes are long and caches small (each copy costs cache
-    ///   space).
-    /// - `load_blocks` 8, `home_blocks` 8 (see `decide::prefix_choice_at`): chosen on the
+    /// - `load_blocks` 8, `home_blocks` 8 (see `placement::prefix_choice_at`): chosen on the
     ///   KV-cache-trace benchmark (`scripts/bench-affinity.py --suite kv`): with 32 per request
     ///   in flight, conversations left their cached history over small load differences (hit
     ///   rate 0.97 × oracle instead of 0.99, slower first tokens); 8 keeps an 80-block (40 KiB)

@@ -10,10 +10,9 @@
 //!
 //! Where it is wired: `config` reads the `prefix` section into a [`PrefixConfig`] and keys the
 //! [`PrefixHasher`] with `routing_key.hash_seed`; `extract::scan_body_and_prompt` runs
-//! [`scan_prompt`] with the body fields the filter wants (one pass); `decide::place` puts the
-//! match after the key's pin and before the assigner, and `decide::prefix_choice` applies the
-//! load bound to the matched rank (there is none in `assign.mode` `envoy`, which counts no
-//! requests in flight); the host records the chain under the serving rank and calls
+//! [`scan_prompt`] with the body fields the filter wants (one pass); `placement::plan` puts the
+//! match after the key's pin, weighed against the request's home (`placement::prefix_choice_at`),
+//! which also applies the load bound to the matched rank; the host records the chain under the serving rank and calls
 //! [`PrefixIndex::forget`] when that rank fails the request.
 //!
 //! The modules: `prompt` reads the canonical prompt out of the body, `chain` hashes it into
