@@ -88,13 +88,12 @@ pub fn choose_hash(
 }
 
 /// The home of `key`: the highest-weighted usable rank that is not full under `bound`, unless
-/// the second-highest was given clearly less work lately — so little that it would still have
-/// less after taking this request (`recent(second) + blocks < recent(first)`): "power of two
-/// choices" over the rendezvous order, with a margin. Every replica considers the same two
-/// ranks for a key; the margin makes them pick the same one unless their views of the recent
-/// work differ by more than a request's size, while the second choice keeps an unlucky rank
-/// (one given the long conversations) from running hot. Falls back like [`choose_hash`] when
-/// fewer than two ranks qualify.
+/// the second-highest was given clearly less work lately (see [`clearly_less_work`]): "power of
+/// two choices" over the rendezvous order, with a margin. Every replica considers the same two
+/// ranks for a key; the margin makes them pick the same one unless the work they saw differs by
+/// more than their samples of the traffic explain, while the second choice keeps the rank that
+/// happened to get the long conversations from running hot. Falls back like [`choose_hash`]
+/// when fewer than two ranks qualify.
 pub fn choose_hash_of_two(
     states: &RankStates,
     now: u32,
@@ -118,17 +117,30 @@ pub fn choose_hash_of_two(
         }
     }
     match two {
-        [Some((_, first)), Some((_, second))] => {
-            let first_work = u64::from(states.recent(first));
-            let second_work = u64::from(states.recent(second)) + u64::from(blocks);
-            Some(if second_work < first_work {
+        [Some((_, first)), Some((_, second))] => Some(
+            if clearly_less_work(states.recent(first), states.recent(second), blocks) {
                 second
             } else {
                 first
-            })
-        }
+            },
+        ),
         _ => choose_hash(states, now, seed, key, bound),
     }
+}
+
+/// Whether a rank given `second` blocks of work lately was given clearly less than one given
+/// `first`, for a request of `blocks` blocks: the difference exceeds the request itself (after
+/// taking it, the second would still have less) plus the difference that sampling alone
+/// produces, `sqrt((first + second) × blocks)` — about what two ranks that were given the same
+/// share of requests of this size differ by. Each Envoy replica (and worker) sees only its sample
+/// of the traffic; below that margin their views disagree on which rank is idler as often as
+/// not, above it they agree, and a rank that really got more (long conversations) loses new ones.
+pub fn clearly_less_work(first: u32, second: u32, blocks: u32) -> bool {
+    let Some(excess) = first.checked_sub(second).and_then(|d| d.checked_sub(blocks)) else {
+        return false;
+    };
+    let excess = u128::from(excess);
+    excess * excess > (u128::from(first) + u128::from(second)) * u128::from(blocks)
 }
 
 /// Whether a key pinned to `rank` stays there: the rank is usable and its load is under the
@@ -361,18 +373,19 @@ mod tests {
         // Idle: the top of the rendezvous order, as choose_hash.
         assert_eq!(pick(&idle, 1), Some(first));
         assert_eq!(choose_hash(&idle, 0, 7, 42, b), Some(first));
-        // The top one was given more work lately, but the second would have more after taking
-        // this request: the top stays (replicas with slightly different views agree).
+        // The top one was given more work lately, but not clearly more: the top stays.
         let mut st = idle.clone();
-        st.ranks[first as usize].recent = 90;
-        st.ranks[second as usize].recent = 10;
-        assert_eq!(pick(&st, 80), Some(first));
-        assert_eq!(pick(&st, 100), Some(first));
-        // Clearly less: the second.
-        assert_eq!(pick(&st, 79), Some(second));
+        st.ranks[first as usize].recent = 150;
+        st.ranks[second as usize].recent = 100;
+        assert_eq!(pick(&st, 10), Some(first));
+        // Clearly more: the second.
+        st.ranks[first as usize].recent = 1000;
+        assert_eq!(pick(&st, 10), Some(second));
+        // A request as large as the difference would leave the second with more: the top.
+        assert_eq!(pick(&st, 900), Some(first));
         // Requests in flight do not decide between the two (recent work counts them already)…
         st.ranks[second as usize].inflight = 3;
-        assert_eq!(pick(&st, 1), Some(second));
+        assert_eq!(pick(&st, 10), Some(second));
         // …but a rank full under the bound is not a choice: the next in the order is.
         st.ranks[order[2] as usize].recent = 1000;
         st.ranks[order[3] as usize].recent = 1000;
@@ -396,6 +409,29 @@ mod tests {
         }
         one.ranks[3].down_until = 0;
         assert_eq!(pick(&one, 1), Some(3));
+    }
+
+    #[test]
+    fn clearly_less_work_is_beyond_the_request_and_the_sampling_noise() {
+        // (first, second, blocks, clearly less)
+        let rows = [
+            (0, 0, 1, false),
+            (100, 100, 10, false),
+            (100, 150, 10, false), // the second was given more
+            (150, 100, 10, false), // 40 beyond the request; noise sqrt(250 × 10) = 50
+            (170, 100, 10, true),  // 60 beyond; noise sqrt(270 × 10) = 52
+            (1000, 100, 900, false),
+            (1000, 100, 10, true),
+            (u32::MAX, 0, u32::MAX, false),
+            (u32::MAX, 0, 1, true),
+        ];
+        for (first, second, blocks, want) in rows {
+            assert_eq!(
+                clearly_less_work(first, second, blocks),
+                want,
+                "first {first}, second {second}, blocks {blocks}"
+            );
+        }
     }
 
     #[test]

@@ -14,7 +14,9 @@ use serde_json::{json, Value};
 use support::counters;
 use support::envoy::Envoy;
 use support::http::{Client, Request, Response};
-use support::requests::{chat, keyed, merge, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER};
+use support::requests::{
+    chat, default_config, keyed, merge, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER,
+};
 use support::stack::{mock_info, served_rank, upstream_headers, Stack, StackOptions};
 
 // ---------------------------------------------------------------- helpers
@@ -754,4 +756,70 @@ fn pin_kept_with_one_request_in_flight() {
         "one request in flight on an idle 4-rank cluster moved the pin"
     );
     counters.assert_zero(&["moved"]);
+}
+
+// ---------------------------------------------------------------- 9. the defaults
+
+/// A chat body: one system prompt, then the conversation's turns so far (`user` messages with
+/// the mock's answers between them).
+fn conversation(system: &str, turns: &[String]) -> Request {
+    let mut messages = vec![json!({ "role": "system", "content": system })];
+    for (i, turn) in turns.iter().enumerate() {
+        if i > 0 {
+            messages.push(json!({ "role": "assistant", "content": format!("answer {i}") }));
+        }
+        messages.push(json!({ "role": "user", "content": turn }));
+    }
+    chat(json!({ "messages": messages }))
+}
+
+/// With nothing but `dp_size` configured (prefix placement on, `hash` homes), keyless
+/// conversations that open with one shared system prompt keep their rank turn after turn, yet
+/// spread over the ranks instead of following the first rank that computed the system prompt;
+/// a keyed conversation is pinned.
+#[test]
+fn defaults_keep_conversations_and_spread_them() {
+    const CONVERSATIONS: usize = 16;
+    const TURNS: usize = 3;
+    let stack = Stack::start(
+        "placement_defaults",
+        StackOptions::new(default_config(json!({}))),
+    );
+    let system = "You are a helpful assistant. Answer briefly. ".repeat(48); // ~2 KiB
+    let mut homes = Vec::new();
+    for c in 0..CONVERSATIONS {
+        let mut turns = vec![format!(
+            "conversation {c}: {}",
+            "tell me about rivers. ".repeat(400)
+        )];
+        let mut ranks = Vec::new();
+        for t in 0..TURNS {
+            ranks.push(served_rank(&stack.send(&conversation(&system, &turns))));
+            turns.push(format!("turn {t} of conversation {c}: and mountains?"));
+            settle();
+        }
+        assert!(
+            ranks.iter().all(|&r| r == ranks[0]),
+            "conversation {c} moved: {ranks:?}"
+        );
+        homes.push(ranks[0]);
+    }
+    let counts = per_rank_counts(homes.iter().copied());
+    println!("defaults, {CONVERSATIONS} keyless conversations: homes per rank {counts:?}");
+    assert!(
+        counts.iter().filter(|&&n| n > 0).count() >= 3,
+        "the shared system prompt pulled the conversations together: {counts:?}"
+    );
+    let keyed_ranks: Vec<u32> = (0..4)
+        .map(|_| served_rank(&stack.send(&keyed("defaults-key"))))
+        .collect();
+    assert!(
+        keyed_ranks.iter().all(|&r| r == keyed_ranks[0]),
+        "a keyed conversation moved: {keyed_ranks:?}"
+    );
+    let counters = stack.settled();
+    counters.assert_eq("no_key", (CONVERSATIONS * TURNS) as u64);
+    counters.assert_eq("affinity_hit", 3);
+    counters.assert_zero(&["no_usable_rank", "body_malformed"]);
+    assert!(counters.get("prefix_hit") >= (CONVERSATIONS * (TURNS - 1)) as u64);
 }
