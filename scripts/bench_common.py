@@ -257,16 +257,16 @@ def gateway_argv(policy, worker_urls, port, metrics_port, tokenizer):
     ]
 
 
-def start_gateway(children, policy, worker_urls, workdir, name, tokenizer):
+def start_gateway(children, policy, worker_urls, workdir, name, tokenizer, env=None):
     """Starts one gateway and waits until it lists every worker as healthy (GET /workers).
     Raises, with the log's path, when it exits or does not get there in 60 s: a peer that fails
-    to start must fail the run, never drop out of the table."""
+    to start must fail the run, never drop out of the table. `env`: extra variables."""
     port, metrics = free_port(), free_port()
     argv = gateway_argv(policy, worker_urls, port, metrics, tokenizer)
     log_path = os.path.join(workdir, f"{name}.log")
     with open(os.path.join(workdir, f"{name}.cmd"), "w") as f:
         f.write(" ".join(argv) + "\n")
-    proc = children.start(argv, log_path, env={**os.environ, **GATEWAY_OFFLINE_ENV})
+    proc = children.start(argv, log_path, env={**os.environ, **GATEWAY_OFFLINE_ENV, **(env or {})})
     deadline = time.time() + 60
     healthy = 0
     while time.time() < deadline:
