@@ -3,10 +3,16 @@
 same multi-turn workload, through a real Envoy in front of mock ranks that simulate a prefix cache.
 
 For every configuration and every policy: fresh mock ranks (empty caches) are started, Envoy with
-the policy's config in front of them, and `dp-replay run` replays the workload's trace open-loop
-(same trace, same arrival times for every policy). The offline oracle (`dp-replay oracle`: one
-unlimited cache shared by every request, the upper bound of any placement) gives the denominator
-of "hit rate / oracle".
+the policy's config in front of them (or, for the `gateway-*` peers, the SGLang model gateway
+`smg`), and `dp-replay run` replays the workload's trace open-loop (same trace, same arrival times
+for every policy). The offline oracle (`dp-replay oracle`: one unlimited cache shared by every
+request, the upper bound of any placement) gives the denominator of "hit rate / oracle".
+
+The peer router: the SGLang model gateway (PyPI `sglang-router`, pinned in
+scripts/install-tools.sh, installed by `scripts/install-tools.sh --bench`) in front of the same
+mock ranks, with its cache-aware policy (no key) and its manual policy (the session key in
+`x-smg-routing-key`). It runs offline: a tokenizer made locally (bench_common), no model id
+anywhere (BENCHMARKS.md says how that was checked).
 
 Suites:
   keyed   every request carries its session's routing key (header): 4 ranks, 8 ranks, 4 ranks
@@ -15,7 +21,9 @@ Suites:
           on the synthetic chat workload (4 and 8 ranks) and on a block-id trace (4 ranks)
   kv      the shape of public multi-turn KV-cache traces (one shared 2 KiB system prompt, long
           one- and two-turn sessions, a few long conversations, shared documents), with and
-          without session keys, at 4 and 8 ranks and behind 2 Envoy replicas (not in `all`)
+          without session keys, at 4 and 8 ranks and behind 2 Envoy replicas (not in `all`);
+          streamed answers, replayed at the arrival rate that keeps the ranks about 80 % busy
+          under Envoy round robin (see `load_speed`), so time to first byte is a latency at load
 
 Writes results/affinity-<UTC>.md (the report, also printed), .json (every figure) and .svg (the
 chart), with traces, per-request records and Envoy logs under results/affinity-<UTC>/.
@@ -31,6 +39,7 @@ chart), with traces, per-request records and Envoy logs under results/affinity-<
 """
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -47,10 +56,11 @@ import report_svg  # noqa: E402
 TAG = "bench-affinity"
 
 
-def policy(desc, assign=None, keys="header", prefix=None):
+def policy(desc, assign=None, keys="header", prefix=None, gateway=None):
     """assign: the plugin's `assign` section (None: Envoy without the filter); keys: how
-    dp-replay sends the routing key (header | none); prefix: the plugin's `prefix` section."""
-    return {"desc": desc, "assign": assign, "keys": keys, "prefix": prefix}
+    dp-replay sends the routing key (header | none); prefix: the plugin's `prefix` section;
+    gateway: the SGLang model gateway's `--policy`, in place of Envoy."""
+    return {"desc": desc, "assign": assign, "keys": keys, "prefix": prefix, "gateway": gateway}
 
 
 BOUNDED = {"mode": "hash", "min_capacity": 4}
@@ -70,6 +80,13 @@ POLICIES = {
     "envoy-rr": policy("Envoy ROUND_ROBIN over all ranks"),
     "envoy-lr": policy("Envoy LEAST_REQUEST over all ranks"),
     "envoy-hash": policy("Envoy weighted_clusters + use_hash_policy on the key header"),
+    "gateway-cache-aware": policy(
+        f"SGLang model gateway (sglang-router {bc.SMG_VERSION}) `--policy cache_aware`, NO routing key: "
+        "its approximate radix tree of the prompts each worker was sent, balanced by load", keys="none",
+        gateway="cache_aware"),
+    "gateway-manual": policy(
+        f"SGLang model gateway (sglang-router {bc.SMG_VERSION}) `--policy manual`: the session key in "
+        f"`{envoy_gen.ROUTING_KEY_HEADER}`, a new key to a random worker, then pinned", gateway="manual"),
 }
 # For exploring knobs (never in a reported run): BENCH_PREFIX_SET='{"assign": {...}, "prefix": {...}}'
 # is merged into filter-prefix's sections.
@@ -77,18 +94,25 @@ if os.environ.get("BENCH_PREFIX_SET"):
     for section, extra in json.loads(os.environ["BENCH_PREFIX_SET"]).items():
         POLICIES["filter-prefix"][section] = {**(POLICIES["filter-prefix"][section] or {}), **extra}
 KEYED_ALL = ["filter-learn", "filter-hash", "filter-hash-bounded", "envoy-rr", "envoy-lr", "envoy-hash"]
-PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr"]
-PREFIX_SHORT = ["filter-prefix", "envoy-rr"]
-# The KV-cache-trace suite: keyless and keyed placements, and Envoy's own policies.
-KV_ALL = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-hash", "envoy-lr", "envoy-rr"]
-KV_REPLICAS = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded"]
+# The SGLang model gateway as a peer: keyless (cache-aware) and keyed (manual).
+GATEWAY = ["gateway-cache-aware", "gateway-manual"]
+PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr", *GATEWAY]
+PREFIX_SHORT = ["filter-prefix", "envoy-rr", "gateway-cache-aware"]
+# The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
+KV_ALL = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-hash", "envoy-lr", "envoy-rr",
+          *GATEWAY]
+KV_REPLICAS = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-rr", *GATEWAY]
 
 # The mock ranks' engine model, the same for every run: 16-token blocks; prefill 50 us per uncached
 # prompt token, decode 3 ms per output token; 4 requests served at once per rank (more queue); a
 # per-rank cache sized from the workload (see cache_blocks). Scaled down from a real engine so a
 # run takes seconds, with the same shape: a cache hit saves prefill time, an overloaded rank queues.
 BLOCK_TOKENS = 16
-MOCK_MODEL = ["--prefill-us-per-token", "50", "--decode-us-per-token", "3000", "--max-concurrency", "4"]
+PREFILL_US, DECODE_US, SLOTS = 50, 3000, 4
+MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token", str(DECODE_US),
+              "--max-concurrency", str(SLOTS)]
+# The kv suite's load: Envoy round robin keeps the ranks this busy (see load_speed).
+KV_BUSY = 0.8
 
 
 def chat_workload(ranks, quick):
@@ -194,9 +218,12 @@ def configurations(suite, quick, trace):
     (hit share of the oracle, max/mean requests)."""
     keyed_goal, prefix_goal = (0.97, 1.15), (0.97, 1.10)
 
-    def cfg(label, ranks, policies, goal, replicas=1, scale=1.0, workload="chat"):
+    def cfg(label, ranks, policies, goal, replicas=1, scale=1.0, workload="chat", busy=None):
+        """busy: replay at the speed that keeps the ranks this busy under Envoy round robin,
+        with streamed answers (time to first byte = queue + prefill); None: the trace's own
+        arrival times, answers not streamed."""
         return {"label": label, "ranks": ranks, "replicas": replicas, "scale": scale,
-                "workload": workload, "policies": policies, "goal": goal}
+                "workload": workload, "policies": policies, "goal": goal, "busy": busy}
 
     if quick:
         return [cfg("4 ranks", 4, ["filter-hash-bounded", "filter-learn", "filter-prefix", "envoy-rr"], keyed_goal)]
@@ -219,13 +246,13 @@ def configurations(suite, quick, trace):
                 cfg("no routing key, 8 ranks", 8, PREFIX_SHORT, prefix_goal),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]
-    # Not part of "all" (make bench stays under 10 minutes): `--suite kv`, ~12 minutes.
+    # Not part of "all" (make bench stays under 10 minutes): `--suite kv`, ~15 minutes.
     if suite == "kv" and not trace:
         out += [
-            cfg("kv-cache trace, 4 ranks", 4, KV_ALL, prefix_goal, workload="kv"),
-            cfg("kv-cache trace, 8 ranks", 8, KV_ALL, prefix_goal, workload="kv"),
+            cfg("kv-cache trace, 4 ranks", 4, KV_ALL, prefix_goal, workload="kv", busy=KV_BUSY),
+            cfg("kv-cache trace, 8 ranks", 8, KV_ALL, prefix_goal, workload="kv", busy=KV_BUSY),
             cfg("kv-cache trace, 4 ranks, 2 Envoy replicas", 4, KV_REPLICAS, prefix_goal, replicas=2,
-                workload="kv"),
+                workload="kv", busy=KV_BUSY),
         ]
     return out
 
@@ -271,44 +298,126 @@ def cache_blocks(oracle, ranks, scale):
     return max(64, int(distinct * scale) // ranks + 1)
 
 
-def run_policy(children, workdir, c, name, trace, capacity):
-    ranks, spec = c["ranks"], POLICIES[name]
-    tag = f"{c['label'].replace(' ', '').replace(',', '-').replace('/', '')}-{name}"
-    mock_args = ["--block-tokens", str(BLOCK_TOKENS), "--cache-blocks", str(capacity), *MOCK_MODEL]
-    mocks, ports = [], []
-    for r in range(ranks):
-        proc, port = bc.start_mock(children, ["--rank", str(r), *mock_args], os.path.join(workdir, f"{tag}-rank{r}.log"))
-        mocks.append(proc)
-        ports.append(port)
-    plugin = envoy_gen.filter_config(ranks, spec["assign"], spec["prefix"]) if spec["assign"] else None
+def read_trace(path):
+    """(arrival ms, block ids, output tokens) of every request of a block-id trace, in order."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            rows.append((r["timestamp"], r["hash_ids"], r.get("output_length", 0)))
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+def round_robin_work_us(rows, ranks, capacity):
+    """Slot time (µs) the ranks spend on `rows` when Envoy round robin places them: request i on
+    rank i mod `ranks`, each rank with an LRU prefix cache of `capacity` blocks (0 = unlimited)
+    as the mock keeps it; a request holds a slot for the prefill of its uncached tokens and the
+    decode of its output tokens (the mock's engine model)."""
+    caches = [collections.OrderedDict() for _ in range(ranks)]
+    work = 0.0
+    for i, (_, ids, output) in enumerate(rows):
+        cache, chain, cached, matching = caches[i % ranks], 0, 0, True
+        for block in ids:
+            chain = hash((chain, block))
+            if matching and chain in cache:
+                cached += 1
+            else:
+                matching = False
+            cache[chain] = True
+            cache.move_to_end(chain)
+        while capacity and len(cache) > capacity:
+            cache.popitem(last=False)
+        work += (len(ids) - cached) * BLOCK_TOKENS * PREFILL_US + output * DECODE_US
+    return work
+
+
+def load_speed(trace, ranks, capacity, busy):
+    """(dp-replay --speed, busy at the trace's own rate): the time compression at which Envoy
+    round robin keeps the ranks' slots `busy` (0..1) of the trace's span. Computed from the trace
+    and the engine model, not measured: the same trace and speed for every policy, and the
+    envoy-rr row's measured `busy` checks it."""
+    rows = read_trace(trace)
+    span_us = max(1.0, (rows[-1][0] - rows[0][0]) * 1000.0)
+    own = round_robin_work_us(rows, ranks, capacity) / (ranks * SLOTS * span_us)
+    return busy / own, own
+
+
+def measured_busy(requests_path, ranks, span_us):
+    """Mean share of the ranks' slots in use over `span_us` (the replayed span): every answered
+    request's time on its rank (total minus the wait for a slot), as dp-replay recorded it."""
+    used = 0.0
+    with open(requests_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("status") == 200 and r.get("total_us") is not None:
+                used += r["total_us"] - (r.get("queue_us") or 0)
+    return used / (ranks * SLOTS * span_us)
+
+
+def start_routers(children, workdir, tag, c, spec, name, ports, tokenizer):
+    """The router processes of one run, one per replica: Envoy (with or without the filter) or
+    the SGLang model gateway. Returns (Envoy admin ports, the URLs dp-replay sends to)."""
+    if spec["gateway"]:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        targets = []
+        for i in range(c["replicas"]):
+            _, port = bc.start_gateway(children, spec["gateway"], urls, workdir, f"{tag}-smg{i}", tokenizer)
+            targets.append(f"http://127.0.0.1:{port}")
+        return [], targets
+    plugin = envoy_gen.filter_config(c["ranks"], spec["assign"], spec["prefix"]) if spec["assign"] else None
     kind = "filter" if spec["assign"] else name
-    envoys, targets = [], []
+    admins, targets = [], []
     for i in range(c["replicas"]):
         listen, admin = bc.free_port(), bc.free_port()
         text = envoy_gen.envoy_config(kind, ports, listen, admin, bc.WASM, plugin)
-        proc, admin = bc.start_envoy(children, text, workdir, f"{tag}-envoy{i}")
-        envoys.append((proc, admin))
-        targets += ["--target", f"http://127.0.0.1:{listen}"]
+        _, admin = bc.start_envoy(children, text, workdir, f"{tag}-envoy{i}")
+        admins.append(admin)
+        targets.append(f"http://127.0.0.1:{listen}")
+    return admins, targets
+
+
+def run_policy(children, workdir, c, name, trace, capacity, speed=1.0, tokenizer=None):
+    """One policy on one configuration: fresh mocks, its routers, one replay. Every process it
+    starts is stopped before it returns; one that does not start raises."""
+    ranks, spec = c["ranks"], POLICIES[name]
+    tag = f"{c['label'].replace(' ', '').replace(',', '-').replace('/', '')}-{name}"
+    mock_args = ["--block-tokens", str(BLOCK_TOKENS), "--cache-blocks", str(capacity), *MOCK_MODEL]
+    if spec["gateway"]:
+        # The gateway loads a tokenizer from the model_path each worker reports: a local one.
+        mock_args += ["--model-path", os.path.dirname(tokenizer)]
+    started_procs = len(children.procs)
+    ports = []
+    for r in range(ranks):
+        _, port = bc.start_mock(children, ["--rank", str(r), *mock_args], os.path.join(workdir, f"{tag}-rank{r}.log"))
+        ports.append(port)
+    admins, targets = start_routers(children, workdir, tag, c, spec, name, ports, tokenizer)
     summary_path = os.path.join(workdir, f"{tag}.summary.json")
+    requests_path = os.path.join(workdir, f"{tag}.requests.jsonl")
+    extra = ["--speed", f"{speed:.4f}", "--stream"] if c.get("busy") else []
     started = time.time()
     replay([
-        "run", "--trace", trace, *targets, "--key-mode", spec["keys"],
+        "run", "--trace", trace, *(a for t in targets for a in ("--target", t)), "--key-mode", spec["keys"],
         "--key-header", envoy_gen.ROUTING_KEY_HEADER, "--dp-size", str(ranks),
-        "--block-tokens", str(BLOCK_TOKENS), "--seed", "1",
-        "--out", os.path.join(workdir, f"{tag}.requests.jsonl"), "--summary", summary_path,
+        "--block-tokens", str(BLOCK_TOKENS), "--seed", "1", *extra,
+        "--out", requests_path, "--summary", summary_path,
     ])
     with open(summary_path) as f:
         summary = json.load(f)
     summary["wall_s"] = time.time() - started
-    time.sleep(1.1)  # the filter flushes its counters once a second
+    if c.get("busy"):
+        rows = read_trace(trace)
+        span_us = (rows[-1][0] - rows[0][0]) * 1000.0 / speed
+        summary["busy"] = measured_busy(requests_path, ranks, span_us)
     counters = {}
-    for _, admin in envoys:
-        for k, v in bc.filter_counters(admin).items():
-            counters[k] = counters.get(k, 0) + v
+    if admins:
+        time.sleep(1.1)  # the filter flushes its counters once a second
+        for admin in admins:
+            for k, v in bc.filter_counters(admin).items():
+                counters[k] = counters.get(k, 0) + v
     summary["filter_counters"] = counters
-    for proc, _ in envoys:
-        children.stop(proc)
-    for proc in mocks:
+    # Routers first (the last started), then the mocks.
+    for proc, _ in list(reversed(children.procs[started_procs:])):
         children.stop(proc)
     return summary
 
@@ -325,7 +434,7 @@ def fmt(v, spec):
 
 def key_label(name):
     spec = POLICIES[name]
-    if spec["assign"] is None:
+    if spec["assign"] is None and spec["gateway"] is None:
         return ""
     return "session key" if spec["keys"] == "header" else "no key"
 
@@ -352,21 +461,31 @@ def markdown(results, meta):
             f"Workload: {cfg['workload_desc']} — {o['requests']} requests, "
             f"{o['prompt_tokens']} prompt tokens; oracle hit rate {fmt(o['oracle_hit_rate'], '.3f')}, "
             f"session oracle {fmt(o['session_oracle_hit_rate'], '.3f')}; cache {cfg['cache_blocks']} blocks per rank"
-            f"{'; ' + str(cfg['replicas']) + ' Envoy replicas, each request to one at random' if cfg['replicas'] > 1 else ''}.",
+            f"{'; ' + str(cfg['replicas']) + ' router replicas (Envoy or gateway), each request to one at random' if cfg['replicas'] > 1 else ''}.",
+        ]
+        if cfg.get("busy"):
+            lines += [
+                "",
+                f"Load: replayed {cfg['speed']:.2f}× faster than the trace's own arrival times (`dp-replay --speed`), "
+                f"where Envoy round robin keeps the ranks' slots {cfg['busy']:.0%} busy by the engine model "
+                f"({cfg['own_busy']:.0%} at the trace's own rate); answers streamed, so TTFB = wait for a slot + "
+                "prefill of the uncached tokens. busy = measured share of the ranks' slots in use.",
+            ]
+        lines += [
             "",
-            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | TTFB p50 | TTFB p99 | total p50 | errors | goal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | TTFB p50 | TTFB p90 | TTFB p99 | total p50 | busy | errors | goal |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in cfg["rows"]:
             lines.append(
                 f"| {row['policy']} | {key_label(row['policy'])} | {fmt(row['hit_rate'], '.3f')} | {fmt(row['hit_share'], '.3f')} "
                 f"| {fmt(row['max_mean_requests'], '.2f')} | {fmt(row['max_mean_tokens'], '.2f')} "
-                f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
-                f"| {fmt(row['total_p50_ms'], '.1f')} ms | {row['errors']} "
+                f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p90_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
+                f"| {fmt(row['total_p50_ms'], '.1f')} ms | {fmt(row['busy'], '.0%')} | {row['errors']} "
                 f"| {'**met**' if goal_met(row, cfg['goal']) else ''} |"
             )
         lines.append(
-            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | |"
+            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | — | — | |"
         )
         lines.append("")
     lines += ["Policies:", ""]
@@ -399,7 +518,9 @@ def row_of(name, summary, oracle):
         "max_mean_requests": get("requests_per_rank", "max_over_mean"),
         "max_mean_tokens": get("prompt_tokens_per_rank", "max_over_mean"),
         "ttfb_p50_ms": ms("ttfb_us", "p50"),
+        "ttfb_p90_ms": ms("ttfb_us", "p90"),
         "ttfb_p99_ms": ms("ttfb_us", "p99"),
+        "busy": summary.get("busy"),
         "total_p50_ms": ms("total_us", "p50"),
         "errors": summary.get("errors", 0),
         "requests": summary.get("requests"),
@@ -421,6 +542,16 @@ def main():
         ("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build"),
         ("mock-rank", bc.MOCK, "make build"), ("dp-replay", bc.REPLAY, "make build"),
     ])
+    chosen = args.policies.split(",") if args.policies else None
+    unknown = [p for p in chosen or [] if p not in POLICIES]
+    if unknown:
+        sys.exit(f"unknown policies {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    plan = [c for c in configurations(args.suite, args.quick, args.trace)
+            if not args.ranks or c["ranks"] == args.ranks]
+    for c in plan:
+        c["policies"] = [p for p in c["policies"] if not chosen or p in chosen]
+    if any(POLICIES[p]["gateway"] for c in plan for p in c["policies"]):
+        bc.require_gateway()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     workdir = os.path.join(args.out, f"affinity-{stamp}")
     os.makedirs(workdir, exist_ok=True)
@@ -434,11 +565,10 @@ def main():
     }
     began = time.time()
     results, traces = [], {}
+    tokenizer = bc.write_local_tokenizer(os.path.join(workdir, "tokenizer"))
     with bc.Children() as children:
-        for c in configurations(args.suite, args.quick, args.trace):
-            if args.ranks and c["ranks"] != args.ranks:
-                continue
-            policies = [p for p in c["policies"] if not args.policies or p in args.policies.split(",")]
+        for c in plan:
+            policies = c["policies"]
             key = (c["workload"], c["ranks"])
             if key not in traces:
                 bc.log(TAG, f"workload {c['workload']} for {c['ranks']} ranks: trace + oracle")
@@ -446,9 +576,15 @@ def main():
             trace, desc, oracle = traces[key]
             capacity = cache_blocks(oracle, c["ranks"], c["scale"])
             out = dict(c, oracle=oracle, workload_desc=desc, cache_blocks=capacity, rows=[])
+            speed = 1.0
+            if c["busy"]:
+                speed, out["own_busy"] = load_speed(trace, c["ranks"], capacity, c["busy"])
+                out["speed"] = speed
+                bc.log(TAG, f"{c['label']}: round robin is {out['own_busy']:.0%} busy at the trace's rate; "
+                       f"replaying {speed:.2f}x faster for {c['busy']:.0%}")
             for name in policies:
                 bc.log(TAG, f"{c['label']}: {name}")
-                summary = run_policy(children, workdir, c, name, trace, capacity)
+                summary = run_policy(children, workdir, c, name, trace, capacity, speed, tokenizer)
                 row = row_of(name, summary, oracle)
                 bc.log(TAG, f"  hit rate {fmt(row['hit_rate'], '.3f')} (÷ oracle {fmt(row['hit_share'], '.3f')}), "
                        f"max/mean {fmt(row['max_mean_requests'], '.2f')}, errors {row['errors']}, "

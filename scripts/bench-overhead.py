@@ -13,12 +13,16 @@ and the only difference is the filter chain in front of the router:
   P   dp_affinity as B with prefix placement on, sent bodies with no routing key: the prompt is
       hashed into blocks and matched against the prefix index (the keyless prefix path)
   H   Envoy's native hash routing: weighted_clusters + use_hash_policy on the key header
+  G   not Envoy: the SGLang model gateway (`smg`, sglang-router pinned in install-tools.sh
+      --bench) standalone, `--policy cache_aware` (its default) with listener U as its one worker,
+      one tokio worker thread as Envoy has one: the per-request cost of the router users compare
+      the filter with. It answers GET /v1/models itself, so it runs the body kinds only
 
 Variants (wrk with a Lua script that every variant shares; keys from a set of 1000):
   header     GET with x-smg-routing-key            A, N, B, H
-  body-1k    POST a 1 KiB chat body, routing_key last (the whole body is scanned)   A, NB, B, P
-  body-64k   the same at 64 KiB                                                     A, NB, B, P
-  body-1m    the same at 1 MiB                                                      A, NB, B, P
+  body-1k    POST a 1 KiB chat body, routing_key last (the whole body is scanned)   A, NB, B, P, G
+  body-64k   the same at 64 KiB                                                     A, NB, B, P, G
+  body-1m    the same at 1 MiB                                                      A, NB, B, P, G
 P gets the same bodies without the routing_key member (16 distinct prompts, each resent).
 
 Two loads, alternated in rounds (medians reported): `sat` (wrk -t1 -c16: the 2 cores saturated,
@@ -53,7 +57,7 @@ from envoy_gen import cluster, wasm_filter  # noqa: E402
 TAG = "bench-overhead"
 KEYS = 1000
 BODY_VARIANTS = 16
-BODY_VARIANTS_RUN = ("A", "NB", "B", "P")
+BODY_VARIANTS_RUN = ("A", "NB", "B", "P", "G")
 SIZES = {"body-1k": 1024, "body-64k": 64 * 1024, "body-1m": 1024 * 1024}
 GOALS = {"header": 1.10, "body-64k": 1.25}
 # The keyless prefix path's goal: at most this much added to plain Envoy's p50, at 64 KiB.
@@ -263,7 +267,7 @@ def cpu_ticks(pid):
 def interleaved_sets(only=None):
     """(request kind, variants) measured interleaved, for the latency goals."""
     out = [("header", ("A", "N", "B", "H"))]
-    out += [(size, ("A", "NB", "B", "P")) for size in SIZES if not only or size in only]
+    out += [(size, BODY_VARIANTS_RUN) for size in SIZES if not only or size in only]
     return out
 
 
@@ -284,6 +288,7 @@ def main():
                     "(body-1k,body-64k,body-1m; default all)")
     args = ap.parse_args()
     bc.require([("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build")])
+    bc.require_gateway()
     if shutil.which("wrk") is None:
         bc.log(TAG, "installing wrk (apt-get)")
         subprocess.run("apt-get update -qq && apt-get install -y -qq wrk", shell=True, check=True,
@@ -309,6 +314,7 @@ def main():
     noop = subprocess.run(["bash", os.path.join(bc.ROOT, "scripts/bench-noop-wasm.sh")],
                           capture_output=True, text=True, check=True).stdout.strip()
     ports = {k: bc.free_port() for k in ("A", "N", "NB", "B", "P", "H", "U")}
+    tokenizer = bc.write_local_tokenizer(os.path.join(workdir, "tokenizer"))
     began = time.time()
     results = []
     interleaved_results = {}
@@ -320,13 +326,21 @@ def main():
         # 100-250 µs on these VMs: that chance, not the filter, decided the differences.
         proc, admin = bc.start_envoy(children, config(ports, bc.free_port(), noop), workdir, "envoy",
                                      concurrency=1)
+        # The gateway's own worker check asks U for /health, /server_info and /model_info: U's
+        # direct response answers them all 200 with a JSON object, which registers it.
+        gateway, ports["G"] = bc.start_gateway(children, "cache_aware", [f"http://127.0.0.1:{ports['U']}"],
+                                               workdir, "smg", tokenizer, env={"TOKIO_WORKER_THREADS": "1"})
         hz = os.sysconf("SC_CLK_TCK")
+
+        def cpu(key):
+            # G's requests cost the gateway and Envoy's listener U; every other variant's, Envoy.
+            return cpu_ticks(proc.pid) + (cpu_ticks(gateway.pid) if key == "G" else 0)
 
         def run(size, key, mode, load, secs, label):
             prefix = os.path.join(workdir, f"{size}-{'nokey-' if key == 'P' else ''}") if mode == "body" else ""
-            t0 = cpu_ticks(proc.pid)
+            t0 = cpu(key)
             r = wrk(ports[key], mode, load, secs, workdir, prefix)
-            r["cpu_us"] = (cpu_ticks(proc.pid) - t0) / hz * 1e6 / max(r["requests"], 1)
+            r["cpu_us"] = (cpu(key) - t0) / hz * 1e6 / max(r["requests"], 1)
             r.update(size=size, variant=key, load=load, label=label)
             bc.log(TAG, f"{load:3} {size:8} {key} {label:7} {r['rps']:8.0f} req/s  p50 {r['p50_us']:6.0f} µs  "
                         f"p99 {r['p99_us']:6.0f} µs  cpu {r['cpu_us']:5.1f} µs/req  errors {r['errors']:.0f}")
@@ -406,7 +420,8 @@ def noise_lines(results):
 
 
 NAMES = {"A": "plain Envoy", "N": "no-op wasm filter", "NB": "no-op wasm filter reading the body",
-         "B": "dp_affinity", "P": "dp_affinity, prefix on, no key", "H": "Envoy native hash"}
+         "B": "dp_affinity", "P": "dp_affinity, prefix on, no key", "H": "Envoy native hash",
+         "G": f"SGLang model gateway {bc.SMG_VERSION}, cache_aware"}
 
 
 def markdown(results, counters, meta):
@@ -417,6 +432,8 @@ def markdown(results, counters, meta):
         "- one Envoy (--concurrency 1): listeners A plain, N no-op wasm, NB no-op wasm reading the body,",
         "  B dp_affinity, P dp_affinity with prefix placement (keyless bodies), H native hash, all proxying",
         "  to listener U of the same process (buffer filter + direct response); clients on the same 2 cores",
+        "- G: the SGLang model gateway standalone (`smg launch --policy cache_aware`, one tokio worker",
+        "  thread), listener U its one worker; its CPU/req counts the gateway and Envoy (U)",
         "",
         "**Latency, interleaved** (the goals): one request in flight, every variant of a request kind",
         "on its own keep-alive connection, requests sent in a shuffled variant order per iteration, so a",
@@ -439,14 +456,14 @@ def markdown(results, counters, meta):
     lines += [
         "",
         "**Throughput and tails, wrk** (alternated in rounds, medians): req/s from `wrk -t1 -c16`",
-        "(saturated), p50/p99 and Envoy CPU per request from `wrk -t1 -c1`; × A = ratio to plain",
+        "(saturated), p50/p99 and CPU per request from `wrk -t1 -c1`; × A = ratio to plain",
         "Envoy with the same request in the same run.",
-        "", "| request | variant | req/s | × A | p50 | p99 | × A | Envoy CPU/req |",
+        "", "| request | variant | req/s | × A | p50 | p99 | × A | CPU/req (Envoy; G: + gateway) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for size in ["header", *SIZES]:
         base = {f: median_of(results, size, "A", l, f) for f, l in (("rps", "sat"), ("p99_us", "c1"))}
-        for key in ("A", "N", "NB", "B", "P", "H"):
+        for key in ("A", "N", "NB", "B", "P", "H", "G"):
             rps = median_of(results, size, key, "sat", "rps")
             if rps is None:
                 continue

@@ -5,7 +5,8 @@
 #   3. what the filter costs through Envoy against the same upstream, under wrk
 #      (scripts/bench-overhead.py);
 #   4. what affinity buys: hit rate, balance and latency per routing policy on a multi-turn
-#      workload through Envoy in front of mock ranks with a prefix cache (scripts/bench-affinity.py).
+#      workload through Envoy in front of mock ranks with a prefix cache, the SGLang model gateway
+#      as a peer router (scripts/bench-affinity.py).
 # The report goes to results/bench-<UTC date>.md (results/ is git-ignored) and to stdout; raw
 # data (wrk outputs, traces, per-request records, Envoy logs, the SVG chart) go to
 # results/bench-<UTC date>/.
@@ -54,6 +55,10 @@ if ! command -v wrk >/dev/null 2>&1; then
     log "installing wrk (apt-get)"
     { apt-get update -qq && apt-get install -y -qq wrk; } >&2 || die "cannot install wrk"
 fi
+
+# The SGLang model gateway (pinned, into .tools/venv): only the benchmarks use it, so only they
+# install it; a no-op once it is there.
+scripts/install-tools.sh --bench >&2 || die "cannot install the SGLang model gateway (scripts/install-tools.sh --bench)"
 
 # Children run in the background and are waited for, so a TERM/INT sent to this script alone
 # (not to its process group) is forwarded instead of leaving them running.

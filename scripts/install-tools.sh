@@ -9,12 +9,24 @@
 #     tests/openai_sdk.rs drives through Envoy (tests/clients/openai_client.py);
 #   - a curl built with HTTP/2 (Debian's, through apt-get, when running as root), which the
 #     HTTP/2 scenario of tests/hostile.rs drives; that test fails without one.
+#   - with --bench only: the SGLang model gateway (PyPI `sglang-router`, command `smg`) in the
+#     same venv, the peer router of scripts/bench-affinity.py and scripts/bench-overhead.py.
+#     Nothing else needs it, so `make tools` / `make test` leave it out.
 # Idempotent: every step checks first, so a second run takes about a second.
 set -euo pipefail
+
+BENCH=0
+for arg in "$@"; do
+    case "$arg" in
+        --bench) BENCH=1 ;;
+        *) printf '[install-tools] unknown option %s (known: --bench)\n' "$arg" >&2; exit 2 ;;
+    esac
+done
 
 ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
 PYYAML_VERSION="${PYYAML_VERSION:-6.0.2}"
 OPENAI_VERSION="${OPENAI_VERSION:-3.60.0}"
+SGLANG_ROUTER_VERSION="${SGLANG_ROUTER_VERSION:-0.3.2}"
 
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -82,6 +94,24 @@ openai_version() {
 if [ "$(openai_version || true)" != "$OPENAI_VERSION" ]; then
     log "installing openai==$OPENAI_VERSION into $VENV"
     "$VENV/bin/pip" install --disable-pip-version-check --quiet "openai==$OPENAI_VERSION"
+fi
+
+# --- the SGLang model gateway (benchmarks only) -------------------------------------
+# The check is on the installed distribution's version (one local metadata read), so a run
+# without network is a no-op once it is there.
+sglang_router_version() {
+    "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))' 2>/dev/null
+}
+if [ "$BENCH" = 1 ]; then
+    if [ ! -x "$VENV/bin/smg" ] || [ "$(sglang_router_version || true)" != "$SGLANG_ROUTER_VERSION" ]; then
+        log "installing sglang-router==$SGLANG_ROUTER_VERSION into $VENV (benchmarks only)"
+        "$VENV/bin/pip" install --disable-pip-version-check --quiet "sglang-router==$SGLANG_ROUTER_VERSION"
+    fi
+    if [ ! -x "$VENV/bin/smg" ]; then
+        log "sglang-router==$SGLANG_ROUTER_VERSION installed no $VENV/bin/smg" >&2
+        exit 1
+    fi
+    log "smg: sglang-router $(sglang_router_version)"
 fi
 
 # --- curl with HTTP/2 -------------------------------------------------------------

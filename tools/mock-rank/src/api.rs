@@ -7,6 +7,11 @@
 //! per-rank counters (see `stats`). In engine mode (`--engine`) LLM requests
 //! are first dispatched to an internal rank (see `engine`).
 //!
+//! The info endpoints a model gateway probes before it routes to a worker
+//! (the SGLang model gateway: `/health`, then `/server_info` and `/model_info`,
+//! each under its older `/get_*` name too) answer in SGLang's shape, so the
+//! mock registers as a healthy SGLang worker.
+//!
 //! An LLM request is served like an engine would: it waits for one of the
 //! rank's `--max-concurrency` slots, looks its prompt up in the rank's prefix
 //! cache (see `rank`), and takes the modelled prefill and decode time (see
@@ -30,6 +35,9 @@ use crate::rank::RankState;
 use crate::service::{event_ranges, ServiceModel};
 
 const DEFAULT_MODEL: &str = "mock-model";
+/// What `/model_info` reports: a gateway labels the worker with them.
+const MODEL_TYPE: &str = "mock";
+const ARCHITECTURE: &str = "MockRankForCausalLM";
 /// Tokens (= SSE events) produced when the request does not ask for a count.
 const DEFAULT_TOKENS: u64 = 5;
 /// Upper bound so a request cannot keep a connection streaming for long.
@@ -52,6 +60,8 @@ enum Api {
 enum Route {
     Health,
     Models,
+    ServerInfo,
+    ModelInfo,
     Llm(Api),
     Stats,
     ResetStats,
@@ -65,6 +75,9 @@ fn route(method: &str, path: &str) -> Route {
     match path {
         "/health" if read => Route::Health,
         "/v1/models" if read => Route::Models,
+        // SGLang serves both names; gateways try the new one first.
+        "/server_info" | "/get_server_info" if read => Route::ServerInfo,
+        "/model_info" | "/get_model_info" if read => Route::ModelInfo,
         "/v1/chat/completions" if post => Route::Llm(Api::Chat),
         "/v1/completions" if post => Route::Llm(Api::Completion),
         "/generate" if post => Route::Llm(Api::Generate),
@@ -73,6 +86,10 @@ fn route(method: &str, path: &str) -> Route {
         "/mock/reset-stats" | "/mock/reset" if post => Route::ResetStats,
         "/health"
         | "/v1/models"
+        | "/server_info"
+        | "/get_server_info"
+        | "/model_info"
+        | "/get_model_info"
         | "/v1/chat/completions"
         | "/v1/completions"
         | "/generate"
@@ -197,6 +214,8 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
     match route(&req.head.method, req.head.path()) {
         Route::Health => http::write_response(w, &meta, 200, "text/plain", b"ok"),
         Route::Models => write_json(w, &meta, 200, &models(srv, req)),
+        Route::ServerInfo => write_json(w, &meta, 200, &server_info(srv, req)),
+        Route::ModelInfo => write_json(w, &meta, 200, &model_info(srv, req)),
         Route::Llm(api) => match srv.dispatch(&req.head) {
             Ok(rank) => match requested_failure(&req.head) {
                 // An engine answers some requests with an error of its own (a parameter it
@@ -297,9 +316,47 @@ fn mock_info(srv: &Server, rank: Option<u32>, req: &Request) -> Value {
 fn models(srv: &Server, req: &Request) -> Value {
     let list = json!({
         "object": "list",
-        "data": [{"id": DEFAULT_MODEL, "object": "model", "created": 0, "owned_by": "mock-rank"}],
+        "data": [{
+            "id": DEFAULT_MODEL,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mock-rank",
+            "root": srv.cfg.model_path,
+        }],
     });
     with_mock(list, srv, req)
+}
+
+/// `/server_info`: the engine's settings, as SGLang lists its server args.
+/// Limits the mock does not have (an unlimited cache or concurrency) are null.
+fn server_info(srv: &Server, req: &Request) -> Value {
+    let cfg = &srv.cfg;
+    let nonzero = |n: u64| (n > 0).then_some(n);
+    let cache_tokens = (cfg.cache_blocks as u64).saturating_mul(u64::from(cfg.block_tokens));
+    let info = json!({
+        "model_path": cfg.model_path,
+        "tokenizer_path": cfg.model_path,
+        "served_model_name": DEFAULT_MODEL,
+        "dp_size": cfg.dp_size(),
+        "tp_size": 1,
+        "page_size": cfg.block_tokens,
+        "max_running_requests": nonzero(cfg.max_concurrency as u64),
+        "max_total_tokens": nonzero(cache_tokens),
+        "version": concat!("mock-rank ", env!("CARGO_PKG_VERSION")),
+    });
+    with_mock(info, srv, req)
+}
+
+/// `/model_info`: what the served model is, in SGLang's fields.
+fn model_info(srv: &Server, req: &Request) -> Value {
+    let info = json!({
+        "model_path": srv.cfg.model_path,
+        "tokenizer_path": srv.cfg.model_path,
+        "is_generation": true,
+        "model_type": MODEL_TYPE,
+        "architectures": [ARCHITECTURE],
+    });
+    with_mock(info, srv, req)
 }
 
 /// What the simulated engine did with a request before answering.
@@ -700,6 +757,12 @@ mod tests {
     fn routes() {
         assert_eq!(route("GET", "/health"), Route::Health);
         assert_eq!(route("HEAD", "/v1/models"), Route::Models);
+        assert_eq!(route("GET", "/server_info"), Route::ServerInfo);
+        assert_eq!(route("GET", "/get_server_info"), Route::ServerInfo);
+        assert_eq!(route("GET", "/model_info"), Route::ModelInfo);
+        assert_eq!(route("HEAD", "/get_model_info"), Route::ModelInfo);
+        assert_eq!(route("POST", "/server_info"), Route::MethodNotAllowed);
+        assert_eq!(route("POST", "/get_model_info"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/generate"), Route::Llm(Api::Generate));
         assert_eq!(route("GET", "/generate"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/nope"), Route::NotFound);
@@ -1165,5 +1228,83 @@ mod tests {
         let (head, body) = run(&request("GET /health HTTP/1.1\r\n\r\n"));
         assert!(head.starts_with("HTTP/1.1 200"));
         assert_eq!(body, "ok");
+    }
+
+    /// The JSON answer of `GET path` on `srv`, which must be a 200.
+    fn get_json(srv: &Server, path: &str) -> Value {
+        let (head, body) = run_on(srv, &request(&format!("GET {path} HTTP/1.1\r\n\r\n")));
+        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        json_of(&body)
+    }
+
+    #[test]
+    fn server_info_reports_the_engine_settings_under_both_names() {
+        let srv = server_with(Mode::Rank(2), |cfg| {
+            cfg.model_path = Some("/models/tiny".into());
+            cfg.block_tokens = 8;
+            cfg.cache_blocks = 100;
+            cfg.max_concurrency = 4;
+        });
+        for path in ["/server_info", "/get_server_info"] {
+            let v = get_json(&srv, path);
+            assert_eq!(v["model_path"], "/models/tiny", "{path}");
+            assert_eq!(v["tokenizer_path"], "/models/tiny");
+            assert_eq!(v["served_model_name"], DEFAULT_MODEL);
+            assert_eq!(v["dp_size"], 1);
+            assert_eq!(v["page_size"], 8);
+            assert_eq!(v["max_running_requests"], 4);
+            assert_eq!(v["max_total_tokens"], 800);
+            assert!(v["version"]
+                .as_str()
+                .expect("version")
+                .starts_with("mock-rank "));
+            assert_eq!(v["mock"]["rank"], 2);
+        }
+        // Unlimited cache and concurrency, no model path, an engine's dp_size.
+        let v = get_json(&server(Mode::Engine { dp_size: 4 }), "/server_info");
+        assert_eq!(v["dp_size"], 4);
+        assert_eq!(v["model_path"], Value::Null);
+        assert_eq!(v["max_running_requests"], Value::Null);
+        assert_eq!(v["max_total_tokens"], Value::Null);
+    }
+
+    #[test]
+    fn model_info_names_a_generation_model_under_both_names() {
+        let srv = server_with(Mode::Rank(0), |cfg| cfg.model_path = Some("/m".into()));
+        for path in ["/model_info", "/get_model_info"] {
+            let v = get_json(&srv, path);
+            assert_eq!(v["model_path"], "/m", "{path}");
+            assert_eq!(v["tokenizer_path"], "/m");
+            assert_eq!(v["is_generation"], true);
+            assert_eq!(v["model_type"], MODEL_TYPE);
+            assert_eq!(v["architectures"], json!([ARCHITECTURE]));
+        }
+        assert_eq!(
+            get_json(&server(Mode::Rank(0)), "/model_info")["model_path"],
+            Value::Null
+        );
+    }
+
+    #[test]
+    fn models_list_the_served_model_and_its_path() {
+        let srv = server_with(Mode::Rank(0), |cfg| cfg.model_path = Some("/m".into()));
+        let v = get_json(&srv, "/v1/models");
+        assert_eq!(v["object"], "list");
+        assert_eq!(v["data"][0]["id"], DEFAULT_MODEL);
+        assert_eq!(v["data"][0]["root"], "/m");
+        assert_eq!(
+            get_json(&server(Mode::Rank(0)), "/v1/models")["data"][0]["root"],
+            Value::Null
+        );
+    }
+
+    #[test]
+    fn info_endpoints_touch_no_rank_state() {
+        let srv = server(Mode::Rank(1));
+        for path in ["/health", "/server_info", "/model_info", "/v1/models"] {
+            run_on(&srv, &request(&format!("GET {path} HTTP/1.1\r\n\r\n")));
+        }
+        assert!(srv.ranks().all(|(_, s)| s.stats.snapshot().requests == 0));
     }
 }

@@ -20,6 +20,10 @@ Mock data-parallel rank server for dp-affinity tests.
   --delay-ms-rank R=D     --engine only, repeatable: internal rank R sleeps D ms
                           instead of --delay-ms
   --stream-interval-ms I  gap between SSE events (default 100)
+  --model-path P          model_path reported by /server_info, /model_info and
+                          /v1/models (default: none). A model gateway loads its
+                          tokenizer from the path a worker reports, so give a
+                          local directory, never a model hub id
   -h, --help              print this help
 
 Engine model (per rank; in --engine mode every internal rank has its own):
@@ -80,6 +84,8 @@ pub struct Config {
     pub decode_us_per_token: f64,
     /// Requests each rank serves at once, 0 = unlimited.
     pub max_concurrency: usize,
+    /// `model_path` of the SGLang info endpoints; `None` reports none.
+    pub model_path: Option<String>,
 }
 
 impl Config {
@@ -97,6 +103,7 @@ impl Config {
             prefill_us_per_token: 0.0,
             decode_us_per_token: 0.0,
             max_concurrency: 0,
+            model_path: None,
         }
     }
 
@@ -164,6 +171,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             "--prefill-us-per-token" => cfg.prefill_us_per_token = per_token_us(&flag, &value)?,
             "--decode-us-per-token" => cfg.decode_us_per_token = per_token_us(&flag, &value)?,
             "--max-concurrency" => cfg.max_concurrency = number(&flag, &value)?,
+            "--model-path" => cfg.model_path = Some(value),
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
@@ -260,6 +268,7 @@ mod tests {
         assert_eq!(cfg.prefill_us_per_token, 0.0);
         assert_eq!(cfg.decode_us_per_token, 0.0);
         assert_eq!(cfg.max_concurrency, 0);
+        assert_eq!(cfg.model_path, None);
     }
 
     #[test]
@@ -280,6 +289,7 @@ mod tests {
             "--decode-us-per-token=40",
             "--max-concurrency",
             "8",
+            "--model-path=/models/tiny",
         ]);
         let expected = Config {
             mode: Mode::Rank(1),
@@ -293,6 +303,7 @@ mod tests {
             prefill_us_per_token: 2.5,
             decode_us_per_token: 40.0,
             max_concurrency: 8,
+            model_path: Some("/models/tiny".into()),
         };
         assert_eq!(cmd, Ok(Command::Run(expected)));
     }
