@@ -96,11 +96,12 @@ impl Default for PrefixConfig {
     ///   Shared prefixes are told apart by the branched flag, not by depth; a higher value makes
     ///   shallow matches yield at the new-key bound too (for deployments whose conversations are
     ///   known to be long and whose short prefixes are all shared).
-    /// - `load_blocks` 8, `home_blocks` 8 (see `placement::prefix_choice_at`): chosen on the
-    ///   KV-cache-trace benchmark (`scripts/bench-affinity.py --suite kv`): with 32 per request
-    ///   in flight, conversations left their cached history over small load differences (hit
-    ///   rate 0.97 × oracle instead of 0.99, slower first tokens); 8 keeps an 80-block (40 KiB)
-    ///   history until nine more requests queue there than at home, and a shared system prompt
+    /// - `load_blocks` 2, `home_blocks` 8 (see `placement::prefix_choice_at`): chosen on the
+    ///   KV-cache-trace benchmark at 80 % load (`scripts/bench-affinity.py --suite kv`): with 8
+    ///   per request in flight keyless conversations left their cached history over the load
+    ///   differences a busy cluster always has (4 ranks: 0.95 × oracle, TTFB p90 745 ms); with 2,
+    ///   0.99 × and 713 ms; with 0 no load difference could ever move a shared document. A
+    ///   conversation's own history then stays until the pinned bound, and a shared system prompt
     ///   of 8 blocks (4 KiB) or less never pulls a new conversation away from its home.
     /// - Index: 65,536 buckets × 16 ways (16 MiB, the affinity table's geometry): a bucket read
     ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 14
@@ -114,7 +115,7 @@ impl Default for PrefixConfig {
             min_match_blocks: 1,
             sticky_blocks: 1,
             shared_slack: 0,
-            load_blocks: 8,
+            load_blocks: 2,
             home_blocks: 8,
             grid_bits: 2,
             table: TableConfig {

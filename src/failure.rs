@@ -11,8 +11,10 @@
 //!   client can make an engine answer 500 (a bad parameter) on any rank it names.
 //! - A single failure, of any kind, unpins only the routing key of the request that got it.
 //! - The prompt's chain is kept in the prefix index only when the rank answered 2xx: it then
-//!   computed the prompt. Index entries pointing at a rank are removed only on evidence that
-//!   the rank failed.
+//!   computed the prompt. (The filter records a chain as soon as it places the request, so the
+//!   conversation's next turn finds it even while this one is still being computed; any other
+//!   answer withdraws what this request added, and only that.) Other index entries pointing at a
+//!   rank are removed only on evidence that the rank failed.
 
 /// How a request ended, as the filter sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +87,8 @@ pub struct Verdict {
     pub cool_down: bool,
     /// Count one strike against the rank (cool-down after several within the window).
     pub strike: bool,
-    /// Record the prompt's chain under the rank.
+    /// Keep the prompt's chain in the index under the rank (record it, if it is not yet);
+    /// otherwise what this request added to the index is withdrawn.
     pub record_prefix: bool,
     /// Remove the index entries of this prompt that point at the rank.
     pub forget_prefix: bool,

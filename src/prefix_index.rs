@@ -229,6 +229,29 @@ impl PrefixIndex {
             .count()
     }
 
+    /// Undoes [`record`](Self::record) for a request that was not served: removes the positions
+    /// beyond `matched` that still point at `rank`, top down — the ones this request added, never
+    /// what it matched (a client cannot make the index forget a prefix others share by failing
+    /// its own requests). One read per position, a write per removal.
+    pub fn withdraw(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        matched: &Match,
+    ) -> TableEvents {
+        let mut events = TableEvents::default();
+        for &p in self.positions(chain.len()).iter().rev() {
+            if p as usize <= matched.blocks {
+                break;
+            }
+            if let Some(&h) = chain.get(p as usize - 1) {
+                events.add(self.table.unpin(store, h, rank).1);
+            }
+        }
+        events
+    }
+
     /// After `rank` failed this request: removes the matched positions that still point at it,
     /// top down, so the next request sharing the prefix is placed afresh. Entries re-pointed
     /// elsewhere since are kept. One read per position up to the match, a write per removal.

@@ -772,10 +772,12 @@ impl Filter {
                         .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
                 }
                 self.route_to(rank, from_body);
+                self.record_prefix(rank);
                 Routed::Pinned { hash, rank }
             }
             Target::Direct { rank } => {
                 self.route_to(rank, from_body);
+                self.record_prefix(rank);
                 Routed::Direct {
                     rank,
                     chooser: Chooser::Filter,
@@ -849,6 +851,23 @@ impl Filter {
         if new_positions && events.cas_exhausted == 0 {
             rt.counters.add(Counter::PrefixRecorded, 1);
         }
+    }
+
+    /// The request was placed on `rank` and recorded there, but not served: the positions it
+    /// added are removed (what it matched stays), so the index keeps only prompts a rank
+    /// computed.
+    fn withdraw_prefix(&mut self, rank: u32) {
+        let rt = self.rt.clone();
+        let (Some(idx), Some(state)) = (rt.prefix.as_ref(), self.prefix.as_mut()) else {
+            return;
+        };
+        if state.recorded != Some(rank) {
+            return;
+        }
+        state.recorded = None;
+        let store = IndexStore::new(&rt.counters);
+        let events = idx.withdraw(&store, state.chain.hashes(), rank, &state.matched);
+        rt.counters.add_index_events(events);
     }
 
     /// `rank` failed this request: if the chain was recorded under it (or the prefix sent the
@@ -983,9 +1002,10 @@ impl Filter {
         }
         if verdict.forget_prefix {
             self.forget_prefix(rank);
-        }
-        if verdict.record_prefix {
+        } else if verdict.record_prefix {
             self.record_prefix(rank);
+        } else {
+            self.withdraw_prefix(rank);
         }
     }
 
