@@ -453,8 +453,11 @@ fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
     }
 }
 
+/// A prompt is recorded when the filter places it, so its next turn finds it while it is still
+/// being computed; an answer other than 2xx withdraws it: the index keeps only what a rank
+/// served.
 #[test]
-fn only_a_served_prompt_is_recorded_in_the_prefix_index() {
+fn only_a_served_prompt_stays_in_the_prefix_index() {
     let stack = Stack::start(
         "load_record",
         StackOptions::new(plugin_config(json!({
@@ -464,18 +467,24 @@ fn only_a_served_prompt_is_recorded_in_the_prefix_index() {
     );
     let prompt = "a long shared document. ".repeat(200);
     let request = || chat(json!({ "messages": [{ "role": "user", "content": prompt }] }));
-    for status in ["400", "413", "429", "500"] {
+    const REFUSED: [&str; 4] = ["400", "413", "429", "500"];
+    for status in REFUSED {
         let refused = stack.send(&request().header("x-mock-fail", status));
         assert_eq!(refused.status.to_string(), status);
     }
+    // Each refused request was recorded when placed and withdrawn at its answer: the next one
+    // found nothing.
     let counters = stack.settled();
-    assert_eq!(counters.get("prefix_recorded"), 0);
+    assert_eq!(counters.get("prefix_recorded"), REFUSED.len() as u64);
+    assert_eq!(counters.get("prefix_miss"), REFUSED.len() as u64);
+    counters.assert_zero(&["prefix_hit"]);
     assert_eq!(stack.send(&request()).status, 200);
     let counters = stack.settled();
-    assert_eq!(counters.get("prefix_recorded"), 1);
-    // The next request with that prompt finds it.
+    assert_eq!(counters.get("prefix_recorded"), REFUSED.len() as u64 + 1);
+    assert_eq!(counters.get("prefix_miss"), REFUSED.len() as u64 + 1);
+    // The served one stays: the next requests with that prompt find it.
     let rank = served_rank(&stack.send(&request()));
     assert_eq!(served_rank(&stack.send(&request())), rank);
     let counters = stack.settled();
-    assert!(counters.get("prefix_hit") >= 2);
+    assert_eq!(counters.get("prefix_hit"), 2);
 }

@@ -70,10 +70,10 @@ struct ReplicaRun {
     first_per_rank: Vec<usize>,
 }
 
-/// For each key: turn 1 through replica A, turn 2 through replica B, turn 3
-/// through A again (sequential, fresh connections: both workers of each replica).
+/// For each key: turn 1 through one replica, turn 2 through the other, turn 3 through the
+/// first again, the first replica alternating between keys, so that both see the same share of
+/// the traffic (sequential, fresh connections: both workers of each replica).
 fn replica_run(stack: &Stack, b: &Envoy, keys: usize, label: &str) -> ReplicaRun {
-    let a = &stack.envoy;
     let mut run = ReplicaRun {
         agree: 0,
         third_sticky: 0,
@@ -83,6 +83,11 @@ fn replica_run(stack: &Stack, b: &Envoy, keys: usize, label: &str) -> ReplicaRun
     for i in 0..keys {
         let key = format!("{label}-conversation-{i}");
         let request = keyed(&key);
+        let (a, b) = if i % 2 == 0 {
+            (&stack.envoy, b)
+        } else {
+            (b, &stack.envoy)
+        };
         let first = served_rank(&a.send(&request));
         let second = served_rank(&b.send(&request));
         let third = served_rank(&a.send(&request));
@@ -111,7 +116,13 @@ fn hash_replicas_agree() {
     const KEYS: usize = 500;
     let keys = KEYS as u64;
 
-    // Hash placement: every replica computes the same rendezvous order.
+    // Hash placement: every replica computes the same rendezvous order, and takes the second
+    // of a key's two ranks only when its view of the recent work says the first was given
+    // clearly more than chance explains. With both replicas seeing the same share of the
+    // traffic, their views differ by chance only: they agree on nearly every key (the few
+    // others are keys whose two ranks' recent work sat right at the margin). Without the
+    // second choice they would agree on all, and the ranks' share of long conversations would
+    // be left to the hash's luck.
     {
         let mut stack = Stack::start(
             "hash_replicas_agree",
@@ -119,9 +130,10 @@ fn hash_replicas_agree() {
         );
         let b = stack.replica();
         let run = replica_run(&stack, &b, KEYS, "hash");
-        assert_eq!(
-            run.agree, KEYS,
-            "hash mode: replicas placed some keys on different ranks"
+        assert!(
+            run.agree * 100 >= KEYS * 95,
+            "hash mode: replicas placed {} of {KEYS} keys on different ranks",
+            KEYS - run.agree
         );
         assert_eq!(
             run.third_sticky, KEYS,
@@ -132,22 +144,18 @@ fn hash_replicas_agree() {
             "keys not spread: {:?}",
             run.first_per_rank
         );
-        // A: 500 placements + 500 hits; B: 500 placements. Nothing learned from
+        // Each replica: 500 placements (the first turns of half the keys, the second turns of
+        // the others) and 250 hits (its own keys' third turns). Nothing learned from
         // responses, nothing moved.
-        let settled = counters::settled(&[&stack.envoy, &b]);
-        let (a_counters, b_counters) = (&settled[0], &settled[1]);
-        a_counters.assert_eq("affinity_miss", keys);
-        a_counters.assert_eq("assigned", keys);
-        a_counters.assert_eq("affinity_hit", keys);
-        b_counters.assert_eq("affinity_miss", keys);
-        b_counters.assert_eq("assigned", keys);
-        b_counters.assert_zero(&["affinity_hit"]);
-        for replica in &settled {
+        for replica in &counters::settled(&[&stack.envoy, &b]) {
+            replica.assert_eq("affinity_miss", keys);
+            replica.assert_eq("assigned", keys);
+            replica.assert_eq("affinity_hit", keys / 2);
             replica.assert_zero(&["moved", "learned", "no_usable_rank", "rank_cooldown"]);
         }
     }
 
-    // Envoy placement (the default): each replica learns from its own balancer.
+    // Envoy placement (the learning filter): each replica learns from its own balancer.
     let mut stack = Stack::start(
         "hash_replicas_agree_envoy_mode",
         StackOptions::new(plugin_config(json!({}))),
@@ -164,14 +172,12 @@ fn hash_replicas_agree() {
         run.third_sticky, KEYS,
         "envoy mode: replica A lost its own pins"
     );
-    let settled = counters::settled(&[&stack.envoy, &b]);
-    let (a_counters, b_counters) = (&settled[0], &settled[1]);
-    a_counters.assert_eq("affinity_miss", keys);
-    a_counters.assert_eq("learned", keys);
-    a_counters.assert_eq("affinity_hit", keys);
-    b_counters.assert_eq("affinity_miss", keys);
-    b_counters.assert_eq("learned", keys);
-    a_counters.assert_zero(&["assigned"]);
+    for replica in &counters::settled(&[&stack.envoy, &b]) {
+        replica.assert_eq("affinity_miss", keys);
+        replica.assert_eq("learned", keys);
+        replica.assert_eq("affinity_hit", keys / 2);
+        replica.assert_zero(&["assigned"]);
+    }
 }
 
 // ---------------------------------------------------------------- 2. bounded load

@@ -430,6 +430,7 @@ impl BodyCfg {
             "explicit_rank": {"enabled": self.explicit},
             "routing_key": {"body_fields": self.key_fields},
             "assign": {"mode": if self.room_mode { "bootstrap_room" } else { "envoy" }},
+            "prefix": {"enabled": false},
         });
         Config::from_json(json.to_string().as_bytes()).expect("valid test config")
     }
