@@ -10,6 +10,8 @@
 //! header, the first body field; a caller who may not choose a rank has its own copies of both
 //! removed.
 
+use crate::body_rewrite::RankEdit;
+
 /// The rank header SGLang and vLLM read (names are case-insensitive).
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
 /// SGLang's body field, and its deprecated alias (which `routed_dp_rank` outranks).
@@ -54,22 +56,33 @@ impl PathTarget {
         }
     }
 
-    /// Whether this request's body must be read to edit it: the rank goes into the body, or a
-    /// caller who may not choose a rank could have put one there.
+    /// Whether this request's body may need an edit (see [`PathTarget::body_edit`]) once its
+    /// rank is known: the rank goes into the body, or a caller who may not choose a rank could
+    /// have put one there.
     pub fn edits_body(&self, may_choose_rank: bool) -> bool {
         self.rank_field().is_some() || (!may_choose_rank && !self.body_fields.is_empty())
     }
 
-    /// The body fields to remove: all of them from a caller who may not choose a rank (except
-    /// the one the filter sets), none otherwise.
-    pub fn fields_to_strip(&self, may_choose_rank: bool) -> &[String] {
-        if may_choose_rank {
-            return &[];
-        }
-        match self.rank_field() {
-            // The first is the one set: it is replaced, not removed.
-            Some(_) => self.body_fields.get(1..).unwrap_or_default(),
-            None => &self.body_fields,
+    /// The edit a body needs once the rank is known (`None`: the filter sets none): the rank
+    /// field set where the engine takes no header, the caller's own rank fields removed unless
+    /// it may choose a rank, or unless the filter sets the header, which wins over them.
+    /// `None` when the body can go as it is.
+    pub fn body_edit(&self, rank: Option<u32>, may_choose_rank: bool) -> Option<RankEdit<'_>> {
+        let set = self.rank_field().zip(rank);
+        let remove = match (&self.header, rank) {
+            (Some(_), Some(_)) => &[],
+            _ => self.fields_to_strip(may_choose_rank, set.is_some()),
+        };
+        (set.is_some() || !remove.is_empty()).then_some(RankEdit { set, remove })
+    }
+
+    /// The body fields to remove from a caller who may not choose a rank: all of them, but the
+    /// one the filter sets (`rank_set`), which is replaced instead.
+    fn fields_to_strip(&self, may_choose_rank: bool, rank_set: bool) -> &[String] {
+        match (may_choose_rank, rank_set) {
+            (true, _) => &[],
+            (false, true) => self.body_fields.get(1..).unwrap_or_default(),
+            (false, false) => &self.body_fields,
         }
     }
 }
@@ -152,9 +165,30 @@ impl EngineTarget {
     /// percent-decoded first, as the engine's HTTP server decodes it before routing: a
     /// `/gener%61te` reaches `/generate` there, so it must here.
     pub fn for_path(&self, path: &[u8]) -> Option<&PathTarget> {
-        let decoded = percent_decode_path(path);
-        self.paths.iter().find(|p| p.matches(&decoded))
+        self.paths.get(self.index_for(path)?)
     }
+
+    /// [`EngineTarget::for_path`] as an index into `paths`.
+    pub fn index_for(&self, path: &[u8]) -> Option<usize> {
+        let decoded = percent_decode_path(path);
+        self.paths.iter().position(|p| p.matches(&decoded))
+    }
+}
+
+/// Whether the engine parses a body with this `content-type` as JSON. Their HTTP layer
+/// (FastAPI) does for no content type at all and for `application/json` and
+/// `application/*+json` (parameters ignored), so a body the filter must edit is read in all of
+/// these cases: otherwise a client could send its own rank field past the filter by leaving the
+/// content type out.
+pub fn engine_parses_as_json(content_type: Option<&[u8]>) -> bool {
+    let Some(ct) = content_type else {
+        return true;
+    };
+    let media = ct.split(|&c| c == b';').next().unwrap_or(ct);
+    let media = String::from_utf8_lossy(media).trim().to_ascii_lowercase();
+    media.is_empty()
+        || media == "application/json"
+        || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
 /// The path part of `raw` (up to `?`) percent-decoded, then the query as it came; bytes that
@@ -212,13 +246,10 @@ mod tests {
         assert_eq!(chat.rank_field(), None, "the header wins over the body there");
         assert!(!chat.edits_body(true));
         assert!(chat.edits_body(false), "an untrusted body rank must go");
-        assert_eq!(chat.fields_to_strip(false), SGLANG_BODY_FIELDS);
         let generate = sglang.for_path(b"/generate").unwrap();
         assert_eq!(generate.header, None);
         assert_eq!(generate.rank_field(), Some("routed_dp_rank"));
         assert!(generate.edits_body(true));
-        assert_eq!(generate.fields_to_strip(false), ["data_parallel_rank"]);
-        assert!(generate.fields_to_strip(true).is_empty());
         assert_eq!(sglang.for_path(b"/v1/embeddings"), None);
         assert_eq!(sglang.headers, [RANK_HEADER]);
 
@@ -231,6 +262,49 @@ mod tests {
         let legacy = EngineTarget::one_header("x-r");
         assert_eq!(legacy.for_path(b"/generate").unwrap().header.as_deref(), Some("x-r"));
         assert_eq!(legacy.headers, ["x-r"]);
+    }
+
+    #[test]
+    fn body_edits_per_path_and_caller() {
+        let sglang = EngineTarget::preset(Engine::Sglang);
+        let chat = sglang.for_path(b"/v1/chat/completions").unwrap();
+        let generate = sglang.for_path(b"/generate").unwrap();
+        fn shown(e: Option<RankEdit<'_>>) -> Option<(Option<(String, u32)>, Vec<String>)> {
+            e.map(|e| (e.set.map(|(f, r)| (f.to_string(), r)), e.remove.to_vec()))
+        }
+        let set = |r| Some(("routed_dp_rank".to_string(), r));
+        let alias = vec!["data_parallel_rank".to_string()];
+        let both: Vec<String> = SGLANG_BODY_FIELDS.iter().map(|f| f.to_string()).collect();
+        // (path, rank, may choose, edit)
+        let cases = [
+            (chat, Some(2), true, None),
+            (chat, Some(2), false, None),
+            (chat, None, true, None),
+            (chat, None, false, Some((None, both.clone()))),
+            (generate, Some(2), true, Some((set(2), vec![]))),
+            (generate, Some(2), false, Some((set(2), alias))),
+            (generate, None, true, None),
+            (generate, None, false, Some((None, both))),
+        ];
+        for (p, rank, may, want) in cases {
+            assert_eq!(shown(p.body_edit(rank, may)), want, "{} {rank:?} {may}", p.prefix);
+        }
+    }
+
+    #[test]
+    fn content_types_the_engine_reads_as_json() {
+        for (ct, want) in [
+            (None, true),
+            (Some(&b"application/json"[..]), true),
+            (Some(b" Application/JSON ; charset=utf-8"), true),
+            (Some(b"application/vnd.api+json"), true),
+            (Some(b""), true),
+            (Some(b"text/plain"), false),
+            (Some(b"application/x-www-form-urlencoded"), false),
+            (Some(b"text/json"), false),
+        ] {
+            assert_eq!(engine_parses_as_json(ct), want, "{ct:?}");
+        }
     }
 
     #[test]
