@@ -136,7 +136,10 @@ pub fn choose_hash_of_two(
 /// of the traffic; below that margin their views disagree on which rank is idler as often as
 /// not, above it they agree, and a rank that really got more (long conversations) loses new ones.
 pub fn clearly_less_work(first: u32, second: u32, blocks: u32) -> bool {
-    let Some(excess) = first.checked_sub(second).and_then(|d| d.checked_sub(blocks)) else {
+    let Some(excess) = first
+        .checked_sub(second)
+        .and_then(|d| d.checked_sub(blocks))
+    else {
         return false;
     };
     let excess = u128::from(excess);

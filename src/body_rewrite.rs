@@ -208,12 +208,20 @@ mod tests {
 
     const RANK: Option<(&str, u32)> = Some(("routed_dp_rank", 3));
 
+    /// (body, the member to set, the members to remove, the body wanted)
+    type Case<'a> = (&'a str, Option<(&'a str, u32)>, &'a [&'a str], &'a str);
+
     #[test]
     fn sets_replaces_inserts_and_removes() {
         let alias = ["data_parallel_rank"];
-        let cases: &[(&str, Option<(&str, u32)>, &[&str], &str)] = &[
+        let cases: &[Case<'_>] = &[
             // Inserted right after the brace, everything else untouched.
-            (r#"{"text":"hi"}"#, RANK, &[], r#"{"routed_dp_rank":3,"text":"hi"}"#),
+            (
+                r#"{"text":"hi"}"#,
+                RANK,
+                &[],
+                r#"{"routed_dp_rank":3,"text":"hi"}"#,
+            ),
             (r#"{}"#, RANK, &[], r#"{"routed_dp_rank":3}"#),
             (" { } ", RANK, &[], r#" {"routed_dp_rank":3 } "#),
             (
@@ -268,7 +276,12 @@ mod tests {
                 r#"{"a":1,"b":2}"#,
             ),
             (r#"{ "data_parallel_rank":1 }"#, None, &alias, "{  }"),
-            (r#"{"data_parallel_rank":1}"#, RANK, &alias, r#"{"routed_dp_rank":3}"#),
+            (
+                r#"{"data_parallel_rank":1}"#,
+                RANK,
+                &alias,
+                r#"{"routed_dp_rank":3}"#,
+            ),
             (
                 r#"{"routed_dp_rank":1,"data_parallel_rank":2,"a":0,"data_parallel_rank":5}"#,
                 None,
@@ -344,8 +357,17 @@ mod tests {
             remove: &[],
         };
         for bad in [
-            "", "[]", "1", "\"x\"", "{", "{\"a\"}", "{\"a\":1,}", "{\"a\":1} x", "{\"a\":tru}",
-            "\u{feff}\u{feff}{}", " \u{feff}{}",
+            "",
+            "[]",
+            "1",
+            "\"x\"",
+            "{",
+            "{\"a\"}",
+            "{\"a\":1,}",
+            "{\"a\":1} x",
+            "{\"a\":tru}",
+            "\u{feff}\u{feff}{}",
+            " \u{feff}{}",
         ] {
             assert!(rewrite(bad.as_bytes(), edit).is_err(), "{bad:?}");
         }

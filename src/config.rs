@@ -986,9 +986,7 @@ fn compile_target(
         other => {
             return Err(err(
                 "target.mode",
-                format!(
-                    "must be \"cluster\", \"engine\" or \"engine_header\", got {other:?}"
-                ),
+                format!("must be \"cluster\", \"engine\" or \"engine_header\", got {other:?}"),
             ))
         }
     };
@@ -1554,7 +1552,10 @@ mod tests {
         )
         .unwrap();
         let t = listed.target.engine().unwrap();
-        assert_eq!(t.for_path(b"/generate").unwrap().rank_field(), Some("routed_dp_rank"));
+        assert_eq!(
+            t.for_path(b"/generate").unwrap().rank_field(),
+            Some("routed_dp_rank")
+        );
         assert_eq!(
             t.for_path(b"/v1/embeddings").unwrap().header.as_deref(),
             Some(RANK_HEADER),
@@ -1566,17 +1567,32 @@ mod tests {
     #[test]
     fn bad_engine_targets_name_their_field() {
         let cases = [
-            (r#"{"mode":"engine"}"#, "target.engine: target.mode \"engine\" needs"),
-            (r#"{"mode":"engine","engine":"tgi"}"#, "target.engine: must be"),
-            (r#"{"engine":"sglang"}"#, "target.mode: target.engine and target.paths need"),
+            (
+                r#"{"mode":"engine"}"#,
+                "target.engine: target.mode \"engine\" needs",
+            ),
+            (
+                r#"{"mode":"engine","engine":"tgi"}"#,
+                "target.engine: must be",
+            ),
+            (
+                r#"{"engine":"sglang"}"#,
+                "target.mode: target.engine and target.paths need",
+            ),
             (r#"{"mode":"engine_header","paths":[]}"#, "target.mode"),
             (
                 r#"{"mode":"engine","engine":"vllm","paths":[]}"#,
                 "target.paths: set target.engine",
             ),
             (r#"{"mode":"engine","paths":[]}"#, "target.paths: must list"),
-            (r#"{"mode":"engine","paths":{}}"#, "target.paths: expected a list"),
-            (r#"{"mode":"engine","paths":[1]}"#, "target.paths[0]: expected an object"),
+            (
+                r#"{"mode":"engine","paths":{}}"#,
+                "target.paths: expected a list",
+            ),
+            (
+                r#"{"mode":"engine","paths":[1]}"#,
+                "target.paths[0]: expected an object",
+            ),
             (
                 r#"{"mode":"engine","paths":[{"prefix":"v1","header":"x"}]}"#,
                 "target.paths[0].prefix",

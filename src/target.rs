@@ -243,7 +243,11 @@ mod tests {
         let sglang = EngineTarget::preset(Engine::Sglang);
         let chat = sglang.for_path(b"/v1/chat/completions").unwrap();
         assert_eq!(chat.header.as_deref(), Some(RANK_HEADER));
-        assert_eq!(chat.rank_field(), None, "the header wins over the body there");
+        assert_eq!(
+            chat.rank_field(),
+            None,
+            "the header wins over the body there"
+        );
         assert!(!chat.edits_body(true));
         assert!(chat.edits_body(false), "an untrusted body rank must go");
         let generate = sglang.for_path(b"/generate").unwrap();
@@ -260,7 +264,10 @@ mod tests {
         assert_eq!(vllm.for_path(b"/generate"), None, "vLLM has no /generate");
 
         let legacy = EngineTarget::one_header("x-r");
-        assert_eq!(legacy.for_path(b"/generate").unwrap().header.as_deref(), Some("x-r"));
+        assert_eq!(
+            legacy.for_path(b"/generate").unwrap().header.as_deref(),
+            Some("x-r")
+        );
         assert_eq!(legacy.headers, ["x-r"]);
     }
 
@@ -269,7 +276,9 @@ mod tests {
         let sglang = EngineTarget::preset(Engine::Sglang);
         let chat = sglang.for_path(b"/v1/chat/completions").unwrap();
         let generate = sglang.for_path(b"/generate").unwrap();
-        fn shown(e: Option<RankEdit<'_>>) -> Option<(Option<(String, u32)>, Vec<String>)> {
+        /// An edit as owned values: (the field and rank set, the fields removed).
+        type Shown = (Option<(String, u32)>, Vec<String>);
+        fn shown(e: Option<RankEdit<'_>>) -> Option<Shown> {
             e.map(|e| (e.set.map(|(f, r)| (f.to_string(), r)), e.remove.to_vec()))
         }
         let set = |r| Some(("routed_dp_rank".to_string(), r));
@@ -287,7 +296,12 @@ mod tests {
             (generate, None, false, Some((None, both))),
         ];
         for (p, rank, may, want) in cases {
-            assert_eq!(shown(p.body_edit(rank, may)), want, "{} {rank:?} {may}", p.prefix);
+            assert_eq!(
+                shown(p.body_edit(rank, may)),
+                want,
+                "{} {rank:?} {may}",
+                p.prefix
+            );
         }
     }
 

@@ -137,7 +137,11 @@ fn sglang_preset_keeps_conversations_on_every_path() {
     let counters = stack.settled();
     counters.assert_eq("target_body_rewritten", 16 * 5);
     counters.assert_eq("affinity_hit", 3 * 16 * 4);
-    counters.assert_zero(&["untargeted", "target_body_unwritable", "target_body_stripped"]);
+    counters.assert_zero(&[
+        "untargeted",
+        "target_body_unwritable",
+        "target_body_stripped",
+    ]);
 }
 
 /// The shipped one-engine configs used to set only the header: SGLang ignores it on
@@ -167,7 +171,10 @@ fn engine_header_misses_on_sglang_generate_and_the_preset_does_not() {
         }
     }
     println!("engine_header on /generate: {moved} of {turns_total} later turns left their rank");
-    assert!(moved * 2 >= turns_total, "the header was honoured on /generate?");
+    assert!(
+        moved * 2 >= turns_total,
+        "the header was honoured on /generate?"
+    );
     // The same config keeps chat conversations: SGLang honours the header there.
     assert_sticky_and_spread(CHAT, &conversations(&old, CHAT, 8, 3));
     drop(old);
@@ -235,7 +242,10 @@ fn a_clients_own_rank_reaches_the_engine_only_when_trusted() {
             assert_eq!(echoed_rank(&response), rank);
             // Byte-exact: the value replaced in place, the alias removed with its comma.
             let want = sent
-                .replace("\"routed_dp_rank\":3", &format!("\"routed_dp_rank\":{rank}"))
+                .replace(
+                    "\"routed_dp_rank\":3",
+                    &format!("\"routed_dp_rank\":{rank}"),
+                )
                 .replace(",\"data_parallel_rank\":3", "");
             assert_upstream_body(&response, &want);
             ranks.insert(rank);
@@ -254,7 +264,11 @@ fn a_clients_own_rank_reaches_the_engine_only_when_trusted() {
             .header(TRUST_HEADER, SECRET)
             .header(RANK_HEADER, "2"),
     );
-    assert_eq!(engine_rank(&response), 2, "the header on /generate reached the body");
+    assert_eq!(
+        engine_rank(&response),
+        2,
+        "the header on /generate reached the body"
+    );
     assert_upstream_body(&response, &with_rank_inserted(&sent, 2));
 
     let counters = stack.settled();
@@ -280,7 +294,10 @@ fn with_no_rank_chosen_a_clients_copies_are_still_removed() {
         (GENERATE, r#"{"text":"a","routed_dp_rank":1}"#),
         (CHAT, r#"{"routed_dp_rank":1,"model":"m","messages":[]}"#),
         (GENERATE, r#"{"data_parallel_rank":1, "text":"b"}"#),
-        (COMPLETIONS, r#"{"prompt":"c","data_parallel_rank":1,"routed_dp_rank":1}"#),
+        (
+            COMPLETIONS,
+            r#"{"prompt":"c","data_parallel_rank":1,"routed_dp_rank":1}"#,
+        ),
     ] {
         let response = stack.send(&post(path, sent).header(RANK_HEADER, "1"));
         ranks.push(engine_rank(&response));
@@ -332,7 +349,11 @@ fn bodies_the_filter_cannot_edit() {
     let big = body_for(GENERATE, &"x".repeat(4096));
     let response = open.send(&post(GENERATE, &big).header(KEY_HEADER, "big"));
     let rank = engine_rank(&response);
-    assert_eq!(echoed_rank(&response), rank, "the echo names the engine's own choice");
+    assert_eq!(
+        echoed_rank(&response),
+        rank,
+        "the echo names the engine's own choice"
+    );
     assert_upstream_body(&response, &big);
     let counters = open.settled();
     counters.assert_eq("target_body_unwritable", 1);
@@ -368,7 +389,9 @@ fn pd_legs_agree_on_the_prefill_rank() {
     let prefill = engine_stack(
         "pd_prefill",
         "sglang",
-        plugin_config(json!({ "assign": { "mode": "bootstrap_room" }, "target": preset("sglang") })),
+        plugin_config(
+            json!({ "assign": { "mode": "bootstrap_room" }, "target": preset("sglang") }),
+        ),
         &[],
     );
     let decode = engine_stack(
@@ -394,15 +417,29 @@ fn pd_legs_agree_on_the_prefill_rank() {
         // Pinned elsewhere (an explicit rank): the decode leg must be told.
         let pinned = ((room + 1) % 4) as u32;
         let p = prefill.send(&post(GENERATE, &leg).header(RANK_HEADER, &pinned.to_string()));
-        assert_eq!(engine_rank(&p), pinned, "the prefill engine honoured the pin");
+        assert_eq!(
+            engine_rank(&p),
+            pinned,
+            "the prefill engine honoured the pin"
+        );
         let echoed = echoed_rank(&p);
-        assert_ne!(assumed(&decode.send(&post(GENERATE, &leg))), u64::from(echoed));
+        assert_ne!(
+            assumed(&decode.send(&post(GENERATE, &leg))),
+            u64::from(echoed)
+        );
         let told = json!({"text": format!("pd {room}"), "bootstrap_room": room,
                           "disagg_prefill_dp_rank": echoed})
         .to_string();
         let d = decode.send(&post(GENERATE, &told));
-        assert_eq!(assumed(&d), u64::from(echoed), "the decode leg fetches from the prefill rank");
-        println!("room {room}: room rule on {}, pinned prefill {echoed}, decode told {echoed}", room % 4);
+        assert_eq!(
+            assumed(&d),
+            u64::from(echoed),
+            "the decode leg fetches from the prefill rank"
+        );
+        println!(
+            "room {room}: room rule on {}, pinned prefill {echoed}, decode told {echoed}",
+            room % 4
+        );
     }
     let counters = prefill.settled();
     counters.assert_eq("bootstrap_room", 4);

@@ -757,7 +757,10 @@ impl Filter {
             Err(_) => return self.body_not_editable(false),
         };
         if let Err(e) = abi::set_request_body(0, body.len(), &rewritten.body) {
-            warn!("[{}] cannot replace the request body: status {}", self.id, e.0);
+            warn!(
+                "[{}] cannot replace the request body: status {}",
+                self.id, e.0
+            );
             return self.body_not_editable(false);
         }
         if self.has_content_length {
@@ -802,7 +805,10 @@ impl Filter {
             body.as_bytes(),
         );
         if let Err(e) = sent {
-            warn!("[{}] cannot send the {status} answer: status {}", self.id, e.0);
+            warn!(
+                "[{}] cannot send the {status} answer: status {}",
+                self.id, e.0
+            );
             return Action::Continue;
         }
         Action::Pause

@@ -244,9 +244,8 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String> {
 
 /// `--engine-kind` / `--engine=KIND`.
 fn engine_kind(value: &str) -> Result<Kind, String> {
-    Kind::from_name(value).ok_or_else(|| {
-        format!("--engine-kind: expected generic, sglang or vllm, got {value:?}")
-    })
+    Kind::from_name(value)
+        .ok_or_else(|| format!("--engine-kind: expected generic, sglang or vllm, got {value:?}"))
 }
 
 /// `--prefill-dp-size`: 1..=MAX_DP_SIZE.
@@ -412,10 +411,16 @@ mod tests {
         let kind = |args: &[&str]| run(args).engine_kind;
         assert_eq!(kind(&["--engine", "--dp-size=2"]), Kind::Generic);
         assert_eq!(kind(&["--engine=sglang", "--dp-size=2"]), Kind::Sglang);
-        assert_eq!(kind(&["--engine", "--dp-size=2", "--engine-kind", "vllm"]), Kind::Vllm);
+        assert_eq!(
+            kind(&["--engine", "--dp-size=2", "--engine-kind", "vllm"]),
+            Kind::Vllm
+        );
         let pd = run(&["--engine=sglang", "--dp-size=4", "--prefill-dp-size=2"]);
         assert_eq!((pd.prefill_dp_size(), pd.dp_size()), (2, 4));
-        assert_eq!(run(&["--engine=sglang", "--dp-size=4"]).prefill_dp_size(), 4);
+        assert_eq!(
+            run(&["--engine=sglang", "--dp-size=4"]).prefill_dp_size(),
+            4
+        );
     }
 
     #[test]

@@ -136,7 +136,7 @@ pub fn honoured_rank(
     }
 }
 
-fn header_value<'a>(headers: &'a [(String, String)]) -> Option<&'a str> {
+fn header_value(headers: &[(String, String)]) -> Option<&str> {
     headers
         .iter()
         .find(|(name, _)| name == DP_RANK_HEADER)
@@ -144,9 +144,7 @@ fn header_value<'a>(headers: &'a [(String, String)]) -> Option<&'a str> {
 }
 
 fn out_of_range(rank: i64, dp_size: u32) -> Refusal {
-    Refusal::bad(format!(
-        "routed_dp_rank={rank} out of range [0, {dp_size})"
-    ))
+    Refusal::bad(format!("routed_dp_rank={rank} out of range [0, {dp_size})"))
 }
 
 fn in_range(rank: i64, dp_size: u32) -> Result<u32, Refusal> {
@@ -335,11 +333,17 @@ mod tests {
         // SGLang /generate: the header is ignored.
         assert_eq!(ok(Kind::Sglang, Path::Generate, &h2, &empty), None);
         assert_eq!(ok(Kind::Sglang, Path::Generate, &h2, &body1), Some(1));
-        assert_eq!(ok(Kind::Sglang, Path::Generate, &none, &room), Some(4242 % 4));
+        assert_eq!(
+            ok(Kind::Sglang, Path::Generate, &none, &room),
+            Some(4242 % 4)
+        );
         // vLLM: the header only; a non-integer is ignored.
         assert_eq!(ok(Kind::Vllm, Path::OpenAi, &h2, &body1), Some(2));
         assert_eq!(ok(Kind::Vllm, Path::OpenAi, &none, &body1), None);
-        assert_eq!(ok(Kind::Vllm, Path::OpenAi, &with_header("x"), &empty), None);
+        assert_eq!(
+            ok(Kind::Vllm, Path::OpenAi, &with_header("x"), &empty),
+            None
+        );
         // Generic: the header everywhere.
         assert_eq!(ok(Kind::Generic, Path::Generate, &h2, &empty), Some(2));
 
@@ -347,9 +351,18 @@ mod tests {
             honoured_rank(k, p, h, b, 4).expect_err("refused").status
         };
         assert_eq!(status(Kind::Vllm, Path::Generate, &none, &empty), 404);
-        assert_eq!(status(Kind::Vllm, Path::OpenAi, &with_header("4"), &empty), 400);
-        assert_eq!(status(Kind::Sglang, Path::OpenAi, &with_header("x"), &empty), 400);
-        assert_eq!(status(Kind::Sglang, Path::OpenAi, &with_header("-1"), &empty), 400);
+        assert_eq!(
+            status(Kind::Vllm, Path::OpenAi, &with_header("4"), &empty),
+            400
+        );
+        assert_eq!(
+            status(Kind::Sglang, Path::OpenAi, &with_header("x"), &empty),
+            400
+        );
+        assert_eq!(
+            status(Kind::Sglang, Path::OpenAi, &with_header("-1"), &empty),
+            400
+        );
         let far = json!({"routed_dp_rank": 9});
         assert_eq!(status(Kind::Sglang, Path::Generate, &none, &far), 400);
         let text = json!({"routed_dp_rank": "1"});
@@ -365,7 +378,10 @@ mod tests {
             Some(json!({"bootstrap_room": 10, "prefill_dp_rank": 2}))
         );
         let told = json!({"bootstrap_room": 10, "disagg_prefill_dp_rank": 1});
-        assert_eq!(pd_info(Kind::Sglang, &told, 4).unwrap()["prefill_dp_rank"], 1);
+        assert_eq!(
+            pd_info(Kind::Sglang, &told, 4).unwrap()["prefill_dp_rank"],
+            1
+        );
         assert_eq!(pd_info(Kind::Vllm, &decode, 4), None);
         assert_eq!(pd_info(Kind::Sglang, &json!({}), 4), None);
     }
