@@ -57,7 +57,8 @@ ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 WASM_MAGIC = b"\0asm"
 DEFAULT_WASM = "target/wasm32-wasip1/release/dp_affinity.wasm"  # `make build`, relative to the root
-ENGINE_CONFIGS = ("envoy.sglang-dp.yaml", "envoy.vllm-dp.yaml")
+# The one-engine configs and their engine's preset (README, "How the rank reaches the engine").
+ENGINE_CONFIGS = {"envoy.sglang-dp.yaml": "sglang", "envoy.vllm-dp.yaml": "vllm"}
 SET_NAMES = ("istio/ranks", "istio/engine", "envoy-gateway/ranks", "envoy-gateway/engine")
 
 errors = []
@@ -246,11 +247,13 @@ def reference_plugin(envoy_dir):
     return plugin_of(wasm), wasm
 
 
-def expected_plugin(reference, engine, header_only):
+def expected_plugin(reference, engine, header_only, preset=None):
     """envoy/envoy.yaml's plugin configuration with a variant's deliberate differences."""
     p = copy.deepcopy(reference)
     p.setdefault("learn", {})["upstream_addresses"] = {}
-    if engine:
+    if engine and preset:
+        p["target"] = {"mode": "engine", "engine": preset}
+    elif engine:
         p["target"] = {"mode": "engine_header", "engine_header": "x-data-parallel-rank"}
     if header_only:
         p["explicit_rank"]["body_fields"] = []
@@ -275,11 +278,17 @@ def reads_body(plugin):
              and plugin.get("explicit_rank", {}).get("body_fields", ["default"]))
     wants = wants or plugin.get("routing_key", {}).get("body_fields", ["default"])
     wants = wants or plugin.get("assign", {}).get("mode") == "bootstrap_room"
+    # An engine target that writes or strips body fields (the sglang preset, paths with
+    # body_fields) reads the body on those paths.
+    target = plugin.get("target", {})
+    wants = wants or (target.get("mode") == "engine"
+                      and (target.get("engine") == "sglang"
+                           or any(p.get("body_fields") for p in target.get("paths", []))))
     return bool(wants) or bool(plugin.get("prefix", {}).get("enabled", False))
 
 
-def check_plugin(where, plugin, reference, engine, header_only):
-    diffs = [d for d in diff_paths(plugin, expected_plugin(reference, engine, header_only))
+def check_plugin(where, plugin, reference, engine, header_only, preset=None):
+    diffs = [d for d in diff_paths(plugin, expected_plugin(reference, engine, header_only, preset))
              if d != "dp_size"]
     variant = ("engine" if engine else "rank clusters") + (", headers only" if header_only else "")
     if diffs:
@@ -884,7 +893,7 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
 
 
 def check_engine_configs(envoy_dir, reference, reference_wasm, envoy, wasm_path):
-    for name in ENGINE_CONFIGS:
+    for name, preset in ENGINE_CONFIGS.items():
         print(f"envoy/{name}:")
         errors_before = len(errors)
         path = os.path.join(envoy_dir, name)
@@ -896,7 +905,8 @@ def check_engine_configs(envoy_dir, reference, reference_wasm, envoy, wasm_path)
             raise Invalid(f"envoy/{name}: expected one Wasm filter, found {len(flts)}")
         wasm = flts[0]["typed_config"]
         plugin = plugin_of(wasm)
-        check_plugin(f"envoy/{name}", plugin, reference, engine=True, header_only=False)
+        check_plugin(f"envoy/{name}", plugin, reference, engine=True, header_only=False,
+                     preset=preset)
         check_body_filter(f"envoy/{name}", wasm["config"], plugin,
                           int(lst.get("per_connection_buffer_limit_bytes", 1024 * 1024)))
         a, b = copy.deepcopy(wasm), copy.deepcopy(reference_wasm)

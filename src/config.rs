@@ -14,6 +14,7 @@ use crate::chain::PrefixHasher;
 use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
 use crate::ranks::StrikeRule;
+use crate::target::{Engine, EngineTarget, PathTarget};
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
 /// the filter precompute millions of cluster names.
@@ -113,6 +114,8 @@ struct RawTarget {
     cluster_header: String,
     cluster_template: String,
     engine_header: String,
+    engine: String,
+    paths: Option<Vec<RawPathTarget>>,
 }
 
 impl Default for RawTarget {
@@ -122,8 +125,18 @@ impl Default for RawTarget {
             cluster_header: "x-dp-affinity-cluster".into(),
             cluster_template: "dp-rank-{rank}".into(),
             engine_header: "x-data-parallel-rank".into(),
+            engine: String::new(),
+            paths: None,
         }
     }
+}
+
+/// One entry of `target.paths`.
+#[derive(Debug, Default)]
+struct RawPathTarget {
+    prefix: String,
+    header: String,
+    body_fields: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -320,16 +333,44 @@ fn read_target(path: &str, v: &Value, r: &mut RawTarget) -> Result<(), ConfigErr
         "cluster_header",
         "cluster_template",
         "engine_header",
+        "engine",
+        "paths",
     ];
     fields(path, v, &names, |name, path, v| {
         match name {
             "mode" => r.mode = as_string(path, v)?,
             "cluster_header" => r.cluster_header = as_string(path, v)?,
             "cluster_template" => r.cluster_template = as_string(path, v)?,
+            "engine" => r.engine = as_string(path, v)?,
+            "paths" => r.paths = Some(read_paths(path, v)?),
             _ => r.engine_header = as_string(path, v)?,
         }
         Ok(())
     })
+}
+
+fn read_paths(path: &str, v: &Value) -> Result<Vec<RawPathTarget>, ConfigError> {
+    let Value::Array(items) = v else {
+        return Err(err(
+            path,
+            format!("expected a list of objects, got {}", type_of(v)),
+        ));
+    };
+    let names = ["prefix", "header", "body_fields"];
+    let mut out = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let mut entry = RawPathTarget::default();
+        fields(&format!("{path}[{i}]"), item, &names, |name, path, v| {
+            match name {
+                "prefix" => entry.prefix = as_string(path, v)?,
+                "header" => entry.header = as_string(path, v)?,
+                _ => entry.body_fields = as_string_list(path, v)?,
+            }
+            Ok(())
+        })?;
+        out.push(entry);
+    }
+    Ok(out)
 }
 
 fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigError> {
@@ -583,8 +624,19 @@ pub struct Config {
 pub enum TargetMode {
     /// Set the internal cluster header; a `cluster_header` route picks the rank's cluster.
     Cluster,
-    /// One engine with internal DP: set this request header (lower-case) to the rank.
-    EngineHeader(String),
+    /// One engine with internal DP: the rank goes where that engine reads it on each path
+    /// (`engine_header` mode is one header on every path).
+    Engine(EngineTarget),
+}
+
+impl TargetMode {
+    /// The engine's paths, in engine mode.
+    pub fn engine(&self) -> Option<&EngineTarget> {
+        match self {
+            TargetMode::Cluster => None,
+            TargetMode::Engine(t) => Some(t),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -731,6 +783,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let body = compile_body(raw.body, &explicit, &key, &assign)?;
     let (target, cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
     check_request_header_roles(&explicit, &key, &cluster_header, &target)?;
+    check_target_body_fields(&target, &key, &assign)?;
     let learn = compile_learn(raw.learn, dp_size)?;
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
@@ -917,15 +970,23 @@ fn compile_target(
     raw: RawTarget,
     dp_size: u32,
 ) -> Result<(TargetMode, String, Vec<String>), ConfigError> {
+    if raw.mode != "engine" && (!raw.engine.is_empty() || raw.paths.is_some()) {
+        return Err(err(
+            "target.mode",
+            "target.engine and target.paths need target.mode \"engine\"",
+        ));
+    }
     let mode = match raw.mode.as_str() {
         "cluster" => TargetMode::Cluster,
-        "engine_header" => {
-            TargetMode::EngineHeader(header_name("target.engine_header", &raw.engine_header)?)
-        }
+        "engine_header" => TargetMode::Engine(EngineTarget::one_header(&header_name(
+            "target.engine_header",
+            &raw.engine_header,
+        )?)),
+        "engine" => TargetMode::Engine(compile_engine_paths(&raw.engine, raw.paths)?),
         other => {
             return Err(err(
                 "target.mode",
-                format!("must be \"cluster\" or \"engine_header\", got {other:?}"),
+                format!("must be \"cluster\", \"engine\" or \"engine_header\", got {other:?}"),
             ))
         }
     };
@@ -946,6 +1007,98 @@ fn compile_target(
         ));
     }
     Ok((mode, header, names))
+}
+
+/// `target.mode: engine`: a preset (`target.engine`) or an explicit list (`target.paths`).
+fn compile_engine_paths(
+    engine: &str,
+    paths: Option<Vec<RawPathTarget>>,
+) -> Result<EngineTarget, ConfigError> {
+    match (engine.is_empty(), paths) {
+        (false, None) => Engine::from_name(engine)
+            .map(EngineTarget::preset)
+            .ok_or_else(|| {
+                err(
+                    "target.engine",
+                    format!("must be {}, got {engine:?}", Engine::NAMES),
+                )
+            }),
+        (true, Some(paths)) => {
+            let compiled = paths
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| compile_path_target(i, p))
+                .collect::<Result<Vec<_>, _>>()?;
+            if compiled.is_empty() {
+                return Err(err("target.paths", "must list at least one path"));
+            }
+            Ok(EngineTarget::new(compiled))
+        }
+        (false, Some(_)) => Err(err(
+            "target.paths",
+            "set target.engine (a preset) or target.paths, not both",
+        )),
+        (true, None) => Err(err(
+            "target.engine",
+            format!(
+                "target.mode \"engine\" needs target.engine ({}) or target.paths",
+                Engine::NAMES
+            ),
+        )),
+    }
+}
+
+fn compile_path_target(i: usize, raw: RawPathTarget) -> Result<PathTarget, ConfigError> {
+    let field = |name: &str| format!("target.paths[{i}].{name}");
+    if !raw.prefix.starts_with('/') {
+        return Err(err(
+            &field("prefix"),
+            format!("must start with \"/\", got {:?}", raw.prefix),
+        ));
+    }
+    let header = optional_header(&field("header"), &raw.header)?;
+    let body_fields = field_names(&field("body_fields"), raw.body_fields)?;
+    if header.is_none() && body_fields.is_empty() {
+        return Err(err(
+            &field("header"),
+            "each path needs a header or body_fields (where the engine reads the rank)",
+        ));
+    }
+    Ok(PathTarget {
+        prefix: raw.prefix,
+        header,
+        body_fields,
+    })
+}
+
+/// A body field the filter sets or strips for the engine must not be one it reads for another
+/// role: it would overwrite a routing key or a bootstrap room.
+fn check_target_body_fields(
+    target: &TargetMode,
+    key: &RoutingKeyConfig,
+    assign: &AssignConfig,
+) -> Result<(), ConfigError> {
+    let Some(engine) = target.engine() else {
+        return Ok(());
+    };
+    for (i, p) in engine.paths.iter().enumerate() {
+        for f in &p.body_fields {
+            let other = if key.body_fields.contains(f) {
+                Some("a routing_key.body_fields entry")
+            } else if *f == assign.room_field {
+                Some("assign.room_field")
+            } else {
+                None
+            };
+            if let Some(other) = other {
+                return Err(err(
+                    &format!("target.paths[{i}].body_fields"),
+                    format!("{f:?} is also {other}: the filter would overwrite it"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
@@ -1056,14 +1209,27 @@ fn check_request_header_roles(
             .map(|(i, h)| (format!("routing_key.headers[{i}]"), h.as_str())),
     );
     roles.push(("target.cluster_header".into(), cluster_header));
-    if let TargetMode::EngineHeader(h) = target {
-        roles.push((ENGINE.into(), h.as_str()));
+    if let Some(engine) = target.engine() {
+        // Named as the operator wrote it: the one engine_header, a preset, or a path's header.
+        let one_header = engine.paths.len() == 1 && engine.paths[0].prefix == "/";
+        for (i, p) in engine.paths.iter().enumerate() {
+            if let Some(h) = &p.header {
+                let role = if one_header {
+                    ENGINE.to_string()
+                } else {
+                    format!("target.paths[{i}].header")
+                };
+                roles.push((role, h.as_str()));
+            }
+        }
     }
+    let is_engine = |f: &str| f == ENGINE || f.starts_with("target.paths[");
     for (j, (later, name)) in roles.iter().enumerate() {
         for (earlier, other) in &roles[..j] {
             let same_role = |f: &str| f.starts_with("routing_key.headers[");
             let allowed = (same_role(earlier) && same_role(later))
-                || (earlier == EXPLICIT && later == ENGINE);
+                || (is_engine(earlier) && is_engine(later))
+                || (earlier == EXPLICIT && is_engine(later));
             // Names are lower-cased by `header_name`, so equality is case-insensitive.
             if name == other && !allowed {
                 return Err(err(
@@ -1353,7 +1519,7 @@ mod tests {
         assert!(c.assign.tracks_load());
         assert_eq!(
             c.target,
-            TargetMode::EngineHeader("x-data-parallel-rank".into())
+            TargetMode::Engine(EngineTarget::one_header("x-data-parallel-rank"))
         );
         assert_eq!(
             c.body.wanted_fields.last().map(String::as_str),
@@ -1361,6 +1527,110 @@ mod tests {
         );
         let other_seed = parse(r#"{"dp_size":8,"assign":{"mode":"hash","seed":"t"}}"#).unwrap();
         assert_ne!(c.assign.seed, other_seed.assign.seed);
+    }
+
+    #[test]
+    fn engine_targets_from_presets_and_paths() {
+        use crate::target::RANK_HEADER;
+        let sglang = parse(r#"{"dp_size":4,"target":{"mode":"engine","engine":"sglang"}}"#)
+            .unwrap()
+            .target;
+        assert_eq!(
+            sglang,
+            TargetMode::Engine(EngineTarget::preset(Engine::Sglang))
+        );
+        let vllm = parse(r#"{"dp_size":4,"target":{"mode":"engine","engine":"vllm"}}"#).unwrap();
+        assert_eq!(
+            vllm.target.engine().map(|t| t.paths.len()),
+            Some(2),
+            "chat and completions"
+        );
+        let listed = parse(
+            r#"{"dp_size":4,"target":{"mode":"engine","paths":[
+                {"prefix":"/generate","body_fields":["routed_dp_rank"]},
+                {"prefix":"/v1/","header":"X-Data-Parallel-Rank"}]}}"#,
+        )
+        .unwrap();
+        let t = listed.target.engine().unwrap();
+        assert_eq!(
+            t.for_path(b"/generate").unwrap().rank_field(),
+            Some("routed_dp_rank")
+        );
+        assert_eq!(
+            t.for_path(b"/v1/embeddings").unwrap().header.as_deref(),
+            Some(RANK_HEADER),
+            "lower-cased"
+        );
+        assert_eq!(t.for_path(b"/health"), None);
+    }
+
+    #[test]
+    fn bad_engine_targets_name_their_field() {
+        let cases = [
+            (
+                r#"{"mode":"engine"}"#,
+                "target.engine: target.mode \"engine\" needs",
+            ),
+            (
+                r#"{"mode":"engine","engine":"tgi"}"#,
+                "target.engine: must be",
+            ),
+            (
+                r#"{"engine":"sglang"}"#,
+                "target.mode: target.engine and target.paths need",
+            ),
+            (r#"{"mode":"engine_header","paths":[]}"#, "target.mode"),
+            (
+                r#"{"mode":"engine","engine":"vllm","paths":[]}"#,
+                "target.paths: set target.engine",
+            ),
+            (r#"{"mode":"engine","paths":[]}"#, "target.paths: must list"),
+            (
+                r#"{"mode":"engine","paths":{}}"#,
+                "target.paths: expected a list",
+            ),
+            (
+                r#"{"mode":"engine","paths":[1]}"#,
+                "target.paths[0]: expected an object",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"v1","header":"x"}]}"#,
+                "target.paths[0].prefix",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/"}]}"#,
+                "target.paths[0].header: each path needs",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","header":"a b"}]}"#,
+                "target.paths[0].header",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","body_fields":[""]}]}"#,
+                "target.paths[0].body_fields",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","bogus":1}]}"#,
+                "target.paths[0].bogus: unknown field",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","body_fields":["user"]}]}"#,
+                "target.paths[0].body_fields: \"user\" is also a routing_key",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","body_fields":["bootstrap_room"]}]}"#,
+                "assign.room_field",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/v1/","header":"x-routing-key"}]}"#,
+                "target.paths[0].header: \"x-routing-key\" is also routing_key.headers[1]",
+            ),
+        ];
+        for (target, needle) in cases {
+            let json = format!(r#"{{"dp_size":4,"target":{target}}}"#);
+            let text = parse(&json).expect_err(&json).to_string();
+            assert!(text.contains(needle), "{json}: {text}");
+        }
     }
 
     #[test]

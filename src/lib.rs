@@ -7,6 +7,7 @@
 //! them in an order where each imports only those before it.
 
 pub mod assign;
+pub mod body_rewrite;
 pub mod chain;
 pub mod config;
 pub mod config_sections;
@@ -21,6 +22,7 @@ pub mod prefix_index;
 pub mod prompt;
 pub mod ranks;
 pub mod table;
+pub mod target;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

@@ -42,10 +42,15 @@ pub enum Counter {
     StatsFlushes,
     RankErrors,
     Unanswered,
+    TargetBodyRewritten,
+    TargetBodyStripped,
+    TargetBodyUnwritable,
+    TargetHeaderStripped,
+    Untargeted,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 38] = [
+    pub const ALL: [Counter; 43] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -84,6 +89,11 @@ impl Counter {
         Counter::StatsFlushes,
         Counter::RankErrors,
         Counter::Unanswered,
+        Counter::TargetBodyRewritten,
+        Counter::TargetBodyStripped,
+        Counter::TargetBodyUnwritable,
+        Counter::TargetHeaderStripped,
+        Counter::Untargeted,
     ];
 
     /// The metric name as defined with the host.
@@ -127,6 +137,11 @@ impl Counter {
             Counter::StatsFlushes => "dp_affinity.stats_flushes",
             Counter::RankErrors => "dp_affinity.rank_errors",
             Counter::Unanswered => "dp_affinity.unanswered",
+            Counter::TargetBodyRewritten => "dp_affinity.target_body_rewritten",
+            Counter::TargetBodyStripped => "dp_affinity.target_body_stripped",
+            Counter::TargetBodyUnwritable => "dp_affinity.target_body_unwritable",
+            Counter::TargetHeaderStripped => "dp_affinity.target_header_stripped",
+            Counter::Untargeted => "dp_affinity.untargeted",
         }
     }
 

@@ -23,7 +23,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use serde_json::Value as J;
 
-use dp_affinity::config::{Config, TargetMode};
+use dp_affinity::config::Config;
 use dp_affinity::config_sections::TableConfig;
 use dp_affinity::decide::decide_body_with_prefix;
 use dp_affinity::extract::scan_body;
@@ -1484,10 +1484,14 @@ fn assert_request_header_roles_distinct(c: &Config) {
     names.push(&c.explicit.header);
     names.extend(c.explicit.trust.as_ref().map(|t| t.header.as_str()));
     names.push(&c.cluster_header);
-    if let TargetMode::EngineHeader(h) = &c.target {
-        if *h != c.explicit.header {
-            names.push(h);
-        }
+    if let Some(engine) = c.target.engine() {
+        names.extend(
+            engine
+                .headers
+                .iter()
+                .filter(|h| **h != c.explicit.header)
+                .map(String::as_str),
+        );
     }
     let mut sorted = names.clone();
     sorted.sort_unstable();

@@ -39,6 +39,13 @@ extern "C" {
         data: *mut *mut u8,
         size: *mut usize,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer: u32,
+        start: usize,
+        size: usize,
+        data: *const u8,
+        data_len: usize,
+    ) -> u32;
     fn proxy_get_shared_data(
         key: *const u8,
         key_len: usize,
@@ -171,6 +178,13 @@ pub fn request_body(start: usize, len: usize) -> Result<Vec<u8>, HostError> {
         NOT_FOUND => Ok(Vec::new()),
         s => Err(HostError(s)),
     }
+}
+
+/// Replaces the buffered request body's bytes `start..start+len` with `data` (the whole body:
+/// `0, body_size`). Only while the request is paused on its body.
+pub fn set_request_body(start: usize, len: usize, data: &[u8]) -> Result<(), HostError> {
+    // SAFETY: data outlives the call.
+    check(unsafe { proxy_set_buffer_bytes(REQUEST_BODY, start, len, data.as_ptr(), data.len()) })
 }
 
 /// A shared-data value and its CAS token; `(None, None)` when the key does not exist.

@@ -11,6 +11,7 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
+use crate::body_rewrite::rewrite;
 use crate::chain::Chain;
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, resolve_key, without_body};
@@ -23,6 +24,7 @@ use crate::prefix_index::{CountingStore, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
+use crate::target::{engine_parses_as_json, EngineTarget, PathTarget};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
 
 proxy_wasm::main! {{
@@ -398,6 +400,12 @@ impl RootContext for Root {
             api: None,
             prefix: None,
             answered: false,
+            may_choose_rank: false,
+            path_target: None,
+            body_editable: false,
+            awaiting_edit: false,
+            engine_rank: None,
+            has_content_length: false,
         }))
     }
 
@@ -451,6 +459,20 @@ struct Filter {
     prefix: Option<PrefixState>,
     /// Response headers arrived (Envoy's own failure answers included).
     answered: bool,
+    /// The caller may choose a rank (the override is on and it is trusted): its own rank
+    /// header and body fields may reach the engine.
+    may_choose_rank: bool,
+    /// Engine mode: the index of this request's path in the engine's paths.
+    path_target: Option<usize>,
+    /// Engine mode: the request has a body the engine parses as JSON, which the filter may
+    /// have to edit (see `PathTarget::body_edit`).
+    body_editable: bool,
+    /// The headers are paused until the whole body is here, to edit it.
+    awaiting_edit: bool,
+    /// Engine mode: the rank the filter told the engine (set by `route_to`).
+    engine_rank: Option<u32>,
+    /// The request came with a `content-length`, which an edited body must correct.
+    has_content_length: bool,
 }
 
 impl Context for Filter {}
@@ -494,6 +516,19 @@ impl HttpContext for Filter {
             }
         }
         self.trusted = facts.trusted;
+        self.may_choose_rank = cfg.explicit.enabled && facts.trusted;
+        if let Some(engine) = cfg.target.engine() {
+            self.strip_engine_headers(engine, &headers);
+            let path = facts.path.unwrap_or_default();
+            let Some(index) = engine.index_for(path) else {
+                // The engine reads no rank on this path: choosing one would only miscount.
+                rt.counters.add(Counter::Untargeted, 1);
+                return Action::Continue;
+            };
+            self.path_target = Some(index);
+            self.body_editable = !end_of_stream && engine_parses_as_json(facts.content_type);
+            self.has_content_length = facts.content_length.is_some();
+        }
         self.api = facts.prefix_api(cfg);
         match decide_headers(cfg, &facts, end_of_stream) {
             HeaderStep::ReadBody => {
@@ -501,34 +536,49 @@ impl HttpContext for Filter {
                 self.header_key = facts.key.map(|(_, k)| k.to_vec());
                 Action::Pause
             }
-            HeaderStep::Decided(d) => self.apply(d, false),
+            HeaderStep::Decided(d) => {
+                let action = self.apply(d, false);
+                if action == Action::Continue && self.pending_body_edit().is_some() {
+                    // Decided, but the body still has to carry the rank (or lose a client's).
+                    self.awaiting_edit = true;
+                    return Action::Pause;
+                }
+                action
+            }
         }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.awaiting_body {
+        if !self.awaiting_body && !self.awaiting_edit {
             return Action::Continue;
         }
         self.body_size = body_size;
         if body_size > self.rt.cfg.body.max_bytes {
+            if self.awaiting_edit {
+                return self.body_not_editable(true);
+            }
             self.awaiting_body = false;
             let d = without_body(
                 &self.rt.cfg,
                 Reason::BodyTooLarge,
                 self.header_key.as_deref(),
             );
-            return self.apply(d, true);
+            let action = self.apply(d, true);
+            if action == Action::Continue && self.pending_body_edit().is_some() {
+                return self.body_not_editable(true);
+            }
+            return action;
         }
         if !end_of_stream {
             return Action::Pause; // buffer until the whole body is here
         }
-        self.decide_from_body()
+        self.body_complete()
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         // A body followed by trailers never sees end_of_stream in the body callback.
-        if self.awaiting_body {
-            return self.decide_from_body();
+        if self.awaiting_body || self.awaiting_edit {
+            return self.body_complete();
         }
         Action::Continue
     }
@@ -623,19 +673,44 @@ impl HttpContext for Filter {
 }
 
 impl Filter {
-    fn decide_from_body(&mut self) -> Action {
+    /// The whole body is buffered: decide from it if the decision waited for it, then edit it
+    /// if the engine needs the rank in it.
+    fn body_complete(&mut self) -> Action {
+        let body = match abi::request_body(0, self.body_size) {
+            Ok(body) => Some(body),
+            Err(e) => {
+                warn!("[{}] cannot read request body: status {}", self.id, e.0);
+                None
+            }
+        };
+        if self.awaiting_body {
+            let action = self.decide_from_body(body.as_deref());
+            if action != Action::Continue {
+                return action;
+            }
+        }
+        self.awaiting_edit = false;
+        if self.pending_body_edit().is_none() {
+            return Action::Continue;
+        }
+        match body {
+            Some(body) => self.edit_body(&body),
+            None => self.body_not_editable(false),
+        }
+    }
+
+    fn decide_from_body(&mut self, body: Option<&[u8]>) -> Action {
         self.awaiting_body = false;
         let header_key = self.header_key.take();
-        let (decision, chain) = match abi::request_body(0, self.body_size) {
-            Ok(body) => decide_body_with_prefix(
+        let (decision, chain) = match body {
+            Some(body) => decide_body_with_prefix(
                 &self.rt.cfg,
-                &body,
+                body,
                 header_key.as_deref(),
                 self.trusted,
                 self.api,
             ),
-            Err(e) => {
-                warn!("[{}] cannot read request body: status {}", self.id, e.0);
+            None => {
                 let d = without_body(&self.rt.cfg, Reason::NoKey, header_key.as_deref());
                 (d, Chain::default())
             }
@@ -648,6 +723,134 @@ impl Filter {
             });
         }
         self.apply(decision, true)
+    }
+
+    /// Engine mode: this request's path target, when its body is one the filter may edit.
+    fn editable_path(&self) -> Option<&PathTarget> {
+        if !self.body_editable {
+            return None;
+        }
+        let engine = self.rt.cfg.target.engine()?;
+        engine.paths.get(self.path_target?)
+    }
+
+    /// Whether the body still needs an edit now that the rank is known (or known to be none).
+    fn pending_body_edit(&self) -> Option<()> {
+        let path = self.editable_path()?;
+        path.body_edit(self.engine_rank, self.may_choose_rank)
+            .map(|_| ())
+    }
+
+    /// Writes the rank into the body (and drops a client's rank fields), correcting
+    /// `content-length`: the headers are still paused, so they can change.
+    fn edit_body(&mut self, body: &[u8]) -> Action {
+        let rt = self.rt.clone();
+        let Some(edit) = self
+            .editable_path()
+            .and_then(|p| p.body_edit(self.engine_rank, self.may_choose_rank))
+        else {
+            return Action::Continue;
+        };
+        let rewritten = match rewrite(body, edit) {
+            Ok(Some(r)) => r,
+            Ok(None) => return Action::Continue,
+            Err(_) => return self.body_not_editable(false),
+        };
+        if let Err(e) = abi::set_request_body(0, body.len(), &rewritten.body) {
+            warn!(
+                "[{}] cannot replace the request body: status {}",
+                self.id, e.0
+            );
+            return self.body_not_editable(false);
+        }
+        if self.has_content_length {
+            let length = rewritten.body.len().to_string();
+            if let Err(e) = abi::set_header(REQUEST_HEADERS, "content-length", &length) {
+                warn!("[{}] cannot set content-length: status {}", self.id, e.0);
+            }
+        }
+        if rewritten.rank_set {
+            rt.counters.add(Counter::TargetBodyRewritten, 1);
+        }
+        if rewritten.removed > 0 {
+            rt.counters.add(Counter::TargetBodyStripped, 1);
+        }
+        Action::Continue
+    }
+
+    /// The body needed an edit the filter cannot make (over `body.max_bytes`, or not a JSON
+    /// object it reads). A caller who may choose a rank gets its request through as sent (the
+    /// engine then places it, and the filter learns where); anyone else is refused, since the
+    /// filter cannot take a rank field of theirs out of that body.
+    fn body_not_editable(&mut self, too_large: bool) -> Action {
+        self.awaiting_edit = false;
+        self.rt.counters.add(Counter::TargetBodyUnwritable, 1);
+        if self.may_choose_rank {
+            self.rank_not_applied();
+            return Action::Continue;
+        }
+        self.routed = Routed::Unset;
+        let (status, message) = if too_large {
+            (413, "the request body is over body.max_bytes, so the filter cannot check its rank fields")
+        } else {
+            (400, "the request body is not a JSON object the filter can read, so it cannot check its rank fields")
+        };
+        let body = format!(
+            r#"{{"error":{{"message":"{message}","type":"invalid_request_error","code":"rank_fields_unchecked"}}}}"#
+        );
+        let sent = abi::send_local_response(
+            status,
+            "dp_affinity_body_not_editable",
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        );
+        if let Err(e) = sent {
+            warn!(
+                "[{}] cannot send the {status} answer: status {}",
+                self.id, e.0
+            );
+            return Action::Continue;
+        }
+        Action::Pause
+    }
+
+    /// The rank the filter chose could not be written into the body: the engine places the
+    /// request itself, so the filter learns the rank from the answer like a balanced one and no
+    /// longer counts it on the rank it chose.
+    fn rank_not_applied(&mut self) {
+        self.engine_rank = None;
+        self.routed = match self.routed {
+            Routed::Pinned { hash, .. } => Routed::Learn { hash },
+            Routed::Direct { .. } => Routed::Balanced,
+            other => other,
+        };
+        if let Some(rank) = self.acquired.take() {
+            let rt = &self.rt;
+            let events = rt.board.release(
+                &SharedData,
+                &mut rt.local.borrow_mut(),
+                rt.clock.now(),
+                rank,
+            );
+            rt.counters.add_board_events(events);
+        }
+    }
+
+    /// Removes a client's copies of the engine's rank headers unless it may choose a rank (the
+    /// explicit-rank header itself is handled with the explicit rank).
+    fn strip_engine_headers(&self, engine: &EngineTarget, headers: &HeaderMap) {
+        if self.may_choose_rank {
+            return;
+        }
+        let explicit = self.rt.cfg.explicit.header.as_str();
+        for name in engine.headers.iter().filter(|h| h.as_str() != explicit) {
+            let sent = headers
+                .pairs()
+                .any(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()));
+            if sent && abi::remove_header(REQUEST_HEADERS, name).is_ok() {
+                self.rt.counters.add(Counter::TargetHeaderStripped, 1);
+            }
+        }
     }
 
     /// Carries out a decision. `from_body`: the headers were paused, so the route must be
@@ -900,15 +1103,24 @@ impl Filter {
         }
     }
 
-    fn route_to(&self, rank: u32, from_body: bool) {
-        let cfg = &self.rt.cfg;
+    fn route_to(&mut self, rank: u32, from_body: bool) {
+        let rt = self.rt.clone();
+        let cfg = &rt.cfg;
         // The cluster name is precomputed per rank: no allocation on the cluster path.
         let (header, value) = match &cfg.target {
             TargetMode::Cluster => match cfg.cluster_names.get(rank as usize) {
                 Some(cluster) => (cfg.cluster_header.as_str(), Cow::Borrowed(cluster.as_str())),
                 None => return,
             },
-            TargetMode::EngineHeader(header) => (header.as_str(), Cow::Owned(rank.to_string())),
+            TargetMode::Engine(engine) => {
+                self.engine_rank = Some(rank);
+                // Where the engine takes no header, the rank goes into the body instead.
+                let path = self.path_target.and_then(|i| engine.paths.get(i));
+                match path.and_then(|p| p.header.as_ref()) {
+                    Some(header) => (header.as_str(), Cow::Owned(rank.to_string())),
+                    None => return,
+                }
+            }
         };
         if let Err(e) = abi::set_header(REQUEST_HEADERS, header, &value) {
             warn!("[{}] cannot set {header}: status {}", self.id, e.0);

@@ -150,14 +150,22 @@ impl Server {
     }
 
     /// The rank that serves an LLM request: the `--rank`; for an engine the
-    /// valid `x-data-parallel-rank`, else the next rank round robin. `Err`
-    /// (answered 400) when the header is present but invalid.
-    fn dispatch(&self, head: &Head) -> Result<u32, String> {
-        match self.cfg.mode {
-            Mode::Rank(rank) => Ok(rank),
-            Mode::Engine { dp_size } => Ok(engine::requested_rank(&head.headers, dp_size)?
-                .unwrap_or_else(|| self.round_robin.pick(dp_size))),
-        }
+    /// rank the request names where that engine honours it (`engine`), else
+    /// the next rank round robin. `Err` when the engine refuses the request.
+    fn dispatch(&self, req: &Request, api: Api) -> Result<u32, engine::Refusal> {
+        let Mode::Engine { dp_size } = self.cfg.mode else {
+            return Ok(self.fixed_rank().unwrap_or(0));
+        };
+        let path = match api {
+            Api::Generate => engine::Path::Generate,
+            Api::Chat | Api::Completion => engine::Path::OpenAi,
+        };
+        let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+        let kind = self.cfg.engine_kind;
+        Ok(
+            engine::honoured_rank(kind, path, &req.head.headers, &body, dp_size)?
+                .unwrap_or_else(|| self.round_robin.pick(dp_size)),
+        )
     }
 
     fn stats_json(&self) -> Value {
@@ -216,7 +224,7 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
         Route::Models => write_json(w, &meta, 200, &models(srv, req)),
         Route::ServerInfo => write_json(w, &meta, 200, &server_info(srv, req)),
         Route::ModelInfo => write_json(w, &meta, 200, &model_info(srv, req)),
-        Route::Llm(api) => match srv.dispatch(&req.head) {
+        Route::Llm(api) => match srv.dispatch(req, api) {
             Ok(rank) => match requested_failure(&req.head) {
                 // An engine answers some requests with an error of its own (a parameter it
                 // rejects, an internal error): the tests ask for one with `x-mock-fail`.
@@ -227,9 +235,9 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
                 }
                 None => serve_llm(w, srv, rank, req, api),
             },
-            Err(msg) => {
-                let body = error_json(rank, &msg, "invalid_request_error");
-                write_json(w, &meta, 400, &with_mock(body, srv, req))
+            Err(refusal) => {
+                let body = error_json(rank, &refusal.message, "invalid_request_error");
+                write_json(w, &meta, refusal.status, &with_mock(body, srv, req))
             }
         },
         Route::Stats => write_json(w, &meta, 200, &srv.stats_json()),
@@ -598,6 +606,9 @@ fn serve_llm<W: Write>(
     mock["prompt_tokens"] = json!(served.prompt_tokens);
     mock["cached_tokens"] = json!(served.cached_tokens);
     mock["queue_us"] = json!(served.queue_us);
+    if let Some(pd) = engine::pd_info(srv.cfg.engine_kind, &body, srv.cfg.prefill_dp_size()) {
+        mock["pd"] = pd;
+    }
     let mut meta = ResponseMeta::for_request(Some(rank), &req.head);
     meta.extra_headers = served.headers();
     let answer = Answer::new(api, rank, &body, served, srv.token_cap(), mock);

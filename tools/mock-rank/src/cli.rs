@@ -4,8 +4,9 @@
 pub const USAGE: &str = "\
 usage: mock-rank --rank N [--port P] [--host 127.0.0.1] [--delay-ms D] [--stream-interval-ms I]
                  [ENGINE MODEL OPTIONS]
-       mock-rank --engine --dp-size N [--port P] [--host 127.0.0.1] [--delay-ms D]
-                 [--delay-ms-rank R=D]... [--stream-interval-ms I] [ENGINE MODEL OPTIONS]
+       mock-rank --engine[=KIND] --dp-size N [--engine-kind KIND] [--prefill-dp-size N]
+                 [--port P] [--host 127.0.0.1] [--delay-ms D] [--delay-ms-rank R=D]...
+                 [--stream-interval-ms I] [ENGINE MODEL OPTIONS]
 
 Mock data-parallel rank server for dp-affinity tests.
 
@@ -14,6 +15,20 @@ Mock data-parallel rank server for dp-affinity tests.
                           (SGLang --dp-size): requests pick an internal rank with
                           header x-data-parallel-rank, else round robin
   --dp-size N             number of internal ranks in --engine mode (1..=4096)
+  --engine-kind KIND      --engine only (or --engine=KIND): which engine's rank
+                          rules to follow. generic (default): the header on
+                          every LLM path. sglang: the header on /v1/chat/completions
+                          and /v1/completions (a non-integer is a 400), winning
+                          over body routed_dp_rank / data_parallel_rank; on
+                          /generate the header is IGNORED, only the body fields
+                          count, and without one a bootstrap_room goes to
+                          bootstrap_room % dp-size. vllm: the header on the two
+                          OpenAI paths (a non-integer is ignored), no body field,
+                          /generate is 404. Out of range is a 400
+  --prefill-dp-size N     --engine-kind sglang: the prefill DP size a decode leg
+                          assumes; answers to requests with bootstrap_room report
+                          mock.pd.prefill_dp_rank = disagg_prefill_dp_rank, else
+                          bootstrap_room % N (default: --dp-size)
   --port P                TCP port to listen on; 0 (default) picks a free port
   --host H                address to bind (default 127.0.0.1)
   --delay-ms D            sleep D ms before answering LLM endpoints (default 0)
@@ -55,6 +70,8 @@ pub const MAX_DP_SIZE: u32 = 4096;
 /// from `Duration` overflow.
 pub const MAX_US_PER_TOKEN: f64 = 1e6;
 
+pub use crate::engine::Kind;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// One rank, reported as `rank`.
@@ -86,6 +103,10 @@ pub struct Config {
     pub max_concurrency: usize,
     /// `model_path` of the SGLang info endpoints; `None` reports none.
     pub model_path: Option<String>,
+    /// Engine mode: whose rank rules the mock follows.
+    pub engine_kind: Kind,
+    /// Engine mode, SGLang: the prefill DP size a PD decode leg assumes (0: `dp_size`).
+    pub prefill_dp_size: u32,
 }
 
 impl Config {
@@ -104,6 +125,16 @@ impl Config {
             decode_us_per_token: 0.0,
             max_concurrency: 0,
             model_path: None,
+            engine_kind: Kind::Generic,
+            prefill_dp_size: 0,
+        }
+    }
+
+    /// The prefill DP size a decode leg assumes (`--prefill-dp-size`, else `--dp-size`).
+    pub fn prefill_dp_size(&self) -> u32 {
+        match self.prefill_dp_size {
+            0 => self.dp_size(),
+            n => n,
         }
     }
 
@@ -136,6 +167,7 @@ pub enum Command {
 pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String> {
     let mut rank = None;
     let mut engine = false;
+    let mut kind = None;
     let mut dp_size = None;
     let mut cfg = Config::new(Mode::Rank(0));
     let mut args = args.into_iter();
@@ -148,8 +180,8 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             None => (arg, None),
         };
         if flag == "--engine" {
-            if inline.is_some() {
-                return Err("--engine takes no value".into());
+            if let Some(value) = inline {
+                kind = Some(engine_kind(&value)?);
             }
             engine = true;
             continue;
@@ -172,6 +204,8 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             "--decode-us-per-token" => cfg.decode_us_per_token = per_token_us(&flag, &value)?,
             "--max-concurrency" => cfg.max_concurrency = number(&flag, &value)?,
             "--model-path" => cfg.model_path = Some(value),
+            "--engine-kind" => kind = Some(engine_kind(&value)?),
+            "--prefill-dp-size" => cfg.prefill_dp_size = prefill_dp_size(&value)?,
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
@@ -185,6 +219,9 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
             if !cfg.rank_delay_ms.is_empty() {
                 return Err("--delay-ms-rank needs --engine (use --delay-ms)".into());
             }
+            if kind.is_some() || cfg.prefill_dp_size != 0 {
+                return Err("--engine-kind and --prefill-dp-size need --engine".into());
+            }
             Mode::Rank(rank)
         }
         (None, true) => {
@@ -197,6 +234,10 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
                     "--delay-ms-rank: rank {r} is not below --dp-size {dp_size}"
                 ));
             }
+            cfg.engine_kind = kind.unwrap_or(Kind::Generic);
+            if cfg.prefill_dp_size != 0 && cfg.engine_kind != Kind::Sglang {
+                return Err("--prefill-dp-size needs --engine-kind sglang".into());
+            }
             Mode::Engine { dp_size }
         }
     };
@@ -207,6 +248,21 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String> {
     value
         .parse()
         .map_err(|_| format!("{flag}: invalid number {value:?}"))
+}
+
+/// `--engine-kind` / `--engine=KIND`.
+fn engine_kind(value: &str) -> Result<Kind, String> {
+    Kind::from_name(value)
+        .ok_or_else(|| format!("--engine-kind: expected generic, sglang or vllm, got {value:?}"))
+}
+
+/// `--prefill-dp-size`: 1..=MAX_DP_SIZE.
+fn prefill_dp_size(value: &str) -> Result<u32, String> {
+    const FLAG: &str = "--prefill-dp-size";
+    match number(FLAG, value)? {
+        n @ 1..=MAX_DP_SIZE => Ok(n),
+        _ => Err(format!("{FLAG} must be in 1..={MAX_DP_SIZE}")),
+    }
 }
 
 /// `--block-tokens`: a block holds at least one token.
@@ -304,6 +360,8 @@ mod tests {
             decode_us_per_token: 40.0,
             max_concurrency: 8,
             model_path: Some("/models/tiny".into()),
+            engine_kind: Kind::Generic,
+            prefill_dp_size: 0,
         };
         assert_eq!(cmd, Ok(Command::Run(expected)));
     }
@@ -342,7 +400,11 @@ mod tests {
         assert!(err(&["--rank", "1", "--engine", "--dp-size", "2"]).contains("mutually exclusive"));
         assert!(err(&["--engine", "--rank", "0"]).contains("mutually exclusive"));
         assert!(err(&["--engine"]).contains("--dp-size"));
-        assert!(err(&["--engine=1", "--dp-size", "2"]).contains("no value"));
+        assert!(err(&["--engine=1", "--dp-size", "2"]).contains("generic, sglang or vllm"));
+        assert!(err(&["--rank", "1", "--engine-kind", "vllm"]).contains("need --engine"));
+        assert!(err(&["--engine", "--dp-size=2", "--prefill-dp-size=2"]).contains("sglang"));
+        err(&["--engine=sglang", "--dp-size=2", "--prefill-dp-size=0"]);
+        err(&["--engine", "--dp-size=2", "--engine-kind=tgi"]);
         assert!(err(&["--rank", "1", "--dp-size", "2"]).contains("needs --engine"));
         assert!(err(&["--rank", "1", "--delay-ms-rank", "1=5"]).contains("needs --engine"));
         err(&["--engine", "--dp-size", "0"]);
@@ -353,6 +415,23 @@ mod tests {
         for bad in ["1", "=5", "1=", "a=5", "1=x", "-1=5", "1=-5"] {
             err(&["--engine", "--dp-size", "4", "--delay-ms-rank", bad]);
         }
+    }
+
+    #[test]
+    fn engine_kinds() {
+        let kind = |args: &[&str]| run(args).engine_kind;
+        assert_eq!(kind(&["--engine", "--dp-size=2"]), Kind::Generic);
+        assert_eq!(kind(&["--engine=sglang", "--dp-size=2"]), Kind::Sglang);
+        assert_eq!(
+            kind(&["--engine", "--dp-size=2", "--engine-kind", "vllm"]),
+            Kind::Vllm
+        );
+        let pd = run(&["--engine=sglang", "--dp-size=4", "--prefill-dp-size=2"]);
+        assert_eq!((pd.prefill_dp_size(), pd.dp_size()), (2, 4));
+        assert_eq!(
+            run(&["--engine=sglang", "--dp-size=4"]).prefill_dp_size(),
+            4
+        );
     }
 
     #[test]
