@@ -667,7 +667,8 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
             plugin = plugin_of(ext)
             plugins.append(plugin)
             images.append((where, uri.removeprefix("oci://")))
-            check_plugin(where, plugin, reference, engine, header_only=False)
+            check_plugin(where, plugin, reference, engine, header_only=False,
+                         preset="sglang" if engine else None)
             check_body_filter(where, ext["config"], plugin,
                               int(lst.get("per_connection_buffer_limit_bytes", 1024 * 1024)))
         listeners += [lst, resolved]
@@ -856,7 +857,8 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                           f"EnvoyProxy (mounted: {sorted(mounts)})")
                 plugin = plugin_of(flt["typed_config"])
                 plugins.append(plugin)
-                check_plugin(where, plugin, reference, engine, header_only=False)
+                check_plugin(where, plugin, reference, engine, header_only=False,
+                             preset="sglang" if engine else None)
                 check_body_filter(where, flt["typed_config"]["config"], plugin,
                                   int(lst.get("per_connection_buffer_limit_bytes", 1024 * 1024)))
                 flt["typed_config"] = local_code(flt["typed_config"], wasm_path)
