@@ -56,6 +56,26 @@ import report_svg  # noqa: E402
 TAG = "bench-affinity"
 
 
+def shipped_plugin(ranks):
+    """envoy/envoy.yaml's plugin configuration (JSON text) for `ranks` ranks; its
+    learn.upstream_addresses name the shipped ports, not the run's, so they go (the filter
+    places every request itself, so nothing is learned from addresses)."""
+    import yaml
+    with open(os.path.join(bc.ROOT, "envoy", "envoy.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    for listener in cfg["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net in chain["filters"]:
+                for http in net["typed_config"].get("http_filters", []):
+                    conf = http.get("typed_config", {}).get("config", {}).get("configuration", {})
+                    if "value" in conf:
+                        plugin = json.loads(conf["value"])
+                        plugin["dp_size"] = ranks
+                        plugin.setdefault("learn", {})["upstream_addresses"] = {}
+                        return json.dumps(plugin)
+    raise RuntimeError("envoy/envoy.yaml: no wasm plugin configuration found")
+
+
 def policy(desc, assign=None, keys="header", prefix=None, gateway=None):
     """assign: the plugin's `assign` section (None: Envoy without the filter); keys: how
     dp-replay sends the routing key (header | none); prefix: the plugin's `prefix` section;
@@ -64,7 +84,15 @@ def policy(desc, assign=None, keys="header", prefix=None, gateway=None):
 
 
 BOUNDED = {"mode": "hash", "min_capacity": 4}
+# The plugin configuration of envoy/envoy.yaml as shipped (read from the file at run time, with
+# the run's dp_size): what a user gets without changing anything.
+SHIPPED = "shipped"
 POLICIES = {
+    "filter-shipped": policy(
+        "dp_affinity exactly as in the shipped envoy/envoy.yaml (the defaults: hash homes, prompt prefix), NO routing key",
+        SHIPPED, keys="none"),
+    "filter-shipped-keyed": policy(
+        "dp_affinity exactly as in the shipped envoy/envoy.yaml, with session keys", SHIPPED),
     "filter-learn": policy("dp_affinity: Envoy picks new keys (LEAST_REQUEST), the filter learns and pins",
                            {"mode": "envoy"}),
     "filter-hash": policy("dp_affinity: rendezvous hash of the key, no load bound",
@@ -99,9 +127,10 @@ GATEWAY = ["gateway-cache-aware", "gateway-manual"]
 PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr", *GATEWAY]
 PREFIX_SHORT = ["filter-prefix", "envoy-rr", "gateway-cache-aware"]
 # The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
-KV_ALL = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-hash", "envoy-lr", "envoy-rr",
-          *GATEWAY]
-KV_REPLICAS = ["filter-prefix", "filter-prefix-keyed", "filter-hash-bounded", "envoy-rr", *GATEWAY]
+KV_ALL = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed", "filter-hash-bounded",
+          "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY]
+KV_REPLICAS = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed",
+               "filter-hash-bounded", "envoy-rr", *GATEWAY]
 
 # The mock ranks' engine model, the same for every run: 16-token blocks; prefill 50 us per uncached
 # prompt token, decode 3 ms per output token; 4 requests served at once per rank (more queue); a
@@ -365,7 +394,12 @@ def start_routers(children, workdir, tag, c, spec, name, ports, tokenizer):
             _, port = bc.start_gateway(children, spec["gateway"], urls, workdir, f"{tag}-smg{i}", tokenizer)
             targets.append(f"http://127.0.0.1:{port}")
         return [], targets
-    plugin = envoy_gen.filter_config(c["ranks"], spec["assign"], spec["prefix"]) if spec["assign"] else None
+    if spec["assign"] == SHIPPED:
+        plugin = shipped_plugin(c["ranks"])
+    elif spec["assign"]:
+        plugin = envoy_gen.filter_config(c["ranks"], spec["assign"], spec["prefix"])
+    else:
+        plugin = None
     kind = "filter" if spec["assign"] else name
     admins, targets = [], []
     for i in range(c["replicas"]):
