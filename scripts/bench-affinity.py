@@ -84,6 +84,8 @@ def policy(desc, assign=None, keys="header", prefix=None, gateway=None):
 
 
 BOUNDED = {"mode": "hash", "min_capacity": 4}
+# Key-only placements: the prompt-prefix index (on by default) off.
+NO_PREFIX = {"enabled": False}
 # The plugin configuration of envoy/envoy.yaml as shipped (read from the file at run time, with
 # the run's dp_size): what a user gets without changing anything.
 SHIPPED = "shipped"
@@ -94,11 +96,12 @@ POLICIES = {
     "filter-shipped-keyed": policy(
         "dp_affinity exactly as in the shipped envoy/envoy.yaml, with session keys", SHIPPED),
     "filter-learn": policy("dp_affinity: Envoy picks new keys (LEAST_REQUEST), the filter learns and pins",
-                           {"mode": "envoy"}),
+                           {"mode": "envoy"}, prefix=NO_PREFIX),
     "filter-hash": policy("dp_affinity: rendezvous hash of the key, no load bound",
-                          {"mode": "hash", "load_factor": 100, "pinned_load_factor": 100}),
+                          {"mode": "hash", "load_factor": 100, "pinned_load_factor": 100}, prefix=NO_PREFIX),
     "filter-hash-bounded": policy(
-        "dp_affinity: rendezvous hash + bounded load (c = 1.25, floor 4 = the engine's batch)", BOUNDED),
+        "dp_affinity: rendezvous hash + bounded load (c = 1.25, floor 4 = the engine's batch)", BOUNDED,
+        prefix=NO_PREFIX),
     "filter-prefix": policy(
         "dp_affinity, NO routing key: prompt-prefix index + bounded load (c = 1.25, floor 4)",
         BOUNDED, keys="none", prefix={"enabled": True}),
