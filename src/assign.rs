@@ -172,16 +172,6 @@ pub fn keep_pin(states: &RankStates, now: u32, rank: u32, bound: Bound) -> bool 
     u64::from(states.inflight(rank)) < bound.capacity(total, usable)
 }
 
-/// Whether `rank` has more than `slack` requests in flight beyond the least loaded usable rank.
-pub fn busier_than_least(states: &RankStates, now: u32, rank: u32, slack: u32) -> bool {
-    let n = states.ranks.len() as u32;
-    let least = (0..n)
-        .filter(|&r| states.usable(r, now))
-        .map(|r| states.inflight(r))
-        .min();
-    least.is_some_and(|least| states.inflight(rank) > least.saturating_add(slack))
-}
-
 /// The usable rank with the fewest in flight; ties go to the first at or after `start`, so equal
 /// ranks share the work instead of rank 0 taking every tie.
 pub fn choose_least_inflight(states: &RankStates, now: u32, start: u32) -> Option<u32> {

@@ -44,7 +44,8 @@ impl std::error::Error for ConfigError {}
 pub const MAX_BLOCKS_LIMIT: u32 = 4096;
 /// Largest accepted `block_bytes`.
 pub const MAX_BLOCK_BYTES: u32 = 1 << 16;
-/// Largest accepted `shared_slack` (in requests: anything near it means "never spread").
+/// Largest accepted `shared_slack` (a knob with no effect, still range-checked so that old
+/// configurations load exactly as before).
 pub const MAX_SHARED_SLACK: u32 = 1 << 16;
 
 /// Largest accepted `block_tokens`.

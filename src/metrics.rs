@@ -35,6 +35,7 @@ pub enum Counter {
     PrefixHitBlocks16To63,
     PrefixHitBlocks64Plus,
     PrefixRecorded,
+    PrefixWithdrawn,
     PrefixForgotten,
     PrefixEvictions,
     PrefixReads,
@@ -50,7 +51,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 43] = [
+    pub const ALL: [Counter; 44] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -82,6 +83,7 @@ impl Counter {
         Counter::PrefixHitBlocks16To63,
         Counter::PrefixHitBlocks64Plus,
         Counter::PrefixRecorded,
+        Counter::PrefixWithdrawn,
         Counter::PrefixForgotten,
         Counter::PrefixEvictions,
         Counter::PrefixReads,
@@ -130,6 +132,7 @@ impl Counter {
             Counter::PrefixHitBlocks16To63 => "dp_affinity.prefix_hit_blocks_16_63",
             Counter::PrefixHitBlocks64Plus => "dp_affinity.prefix_hit_blocks_64_plus",
             Counter::PrefixRecorded => "dp_affinity.prefix_recorded",
+            Counter::PrefixWithdrawn => "dp_affinity.prefix_withdrawn",
             Counter::PrefixForgotten => "dp_affinity.prefix_forgotten",
             Counter::PrefixEvictions => "dp_affinity.prefix_evictions",
             Counter::PrefixReads => "dp_affinity.prefix_reads",

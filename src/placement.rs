@@ -168,9 +168,9 @@ pub enum PrefixChoice {
 }
 
 /// The prefix stage on a lookup's result. `states`: the shared rank state when the filter counts
-/// requests in flight (every `assign.mode` but `envoy`); `None` in `envoy` mode, where there are
-/// no in-flight counts, so a match is never full (Envoy's balancer only sees the requests that
-/// reach it without a cluster header).
+/// requests in flight (every `assign.mode` but `envoy`); `None` only for a match without a rank
+/// state, which the configuration rules out (prefix placement is refused in `envoy` mode) and
+/// tests: nothing is weighed then.
 ///
 /// Which bound makes a rank full depends on the match's depth: from `prefix.sticky_blocks` on it
 /// is the looser bound of a pinned key (`assign.pinned_load_factor`), below it the one new keys

@@ -68,8 +68,8 @@
 //! entry: when a request records positions beyond its match, the matched position is marked
 //! *branched* (a prompt went on past it). A later request whose match stops at a branched
 //! position is therefore not that prompt's continuation (it would have matched deeper) but
-//! another prompt sharing the prefix; `decide::prefix_choice` places it by load among equally
-//! good ranks (`prefix.shared_slack`). A conversation's own turns keep matching unmarked
+//! another prompt sharing the prefix; `placement::prefix_choice_at` weighs what it saves against
+//! the request's home (`prefix.load_blocks`, `prefix.home_blocks`). A conversation's own turns keep matching unmarked
 //! positions: each turn marks the position it matched, and the next turn matches deeper.
 //! Ranks that served a request sharing a position, other than the position's own, are
 //! remembered in the same flags (*holders*, ranks 0–14), so a shared prefix goes to the least
@@ -180,6 +180,24 @@ impl PrefixIndex {
         now: u32,
         matched: &Match,
     ) -> TableEvents {
+        let (mut events, wrote) = self.record_positions(store, chain, rank, now, matched);
+        events.add(self.mark_matched(store, chain, rank, now, matched, wrote));
+        events
+    }
+
+    /// The first half of [`record`](Self::record): writes the positions beyond `matched`
+    /// (bottom up) and says whether any write took. The filter does this when it places a
+    /// request, and [`mark_matched`](Self::mark_matched) once the rank has served it: a request
+    /// that is not served withdraws its positions ([`withdraw`](Self::withdraw)) and has marked
+    /// nothing.
+    pub fn record_positions(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        now: u32,
+        matched: &Match,
+    ) -> (TableEvents, bool) {
         let mut events = TableEvents::default();
         let mut wrote = false;
         for &p in self.positions(chain.len()) {
@@ -194,13 +212,26 @@ impl PrefixIndex {
                 wrote |= pinned.cas_exhausted == 0;
             }
         }
+        (events, wrote)
+    }
+
+    /// The second half of [`record`](Self::record): marks the matched position branched when the
+    /// prompt went on past it (`wrote`: [`record_positions`](Self::record_positions) wrote) and
+    /// adds `rank` to its holders when it is not the position's rank.
+    pub fn mark_matched(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        now: u32,
+        matched: &Match,
+        wrote: bool,
+    ) -> TableEvents {
         let flags = marks_needed(matched, rank, wrote);
-        if flags != 0 {
-            if let Some(&h) = matched.blocks.checked_sub(1).and_then(|i| chain.get(i)) {
-                events.add(self.table.mark(store, h, flags, now));
-            }
+        match matched.blocks.checked_sub(1).and_then(|i| chain.get(i)) {
+            Some(&h) if flags != 0 => self.table.mark(store, h, flags, now),
+            _ => TableEvents::default(),
         }
-        events
     }
 
     /// The request's *anchor*: a hash every Envoy replica derives the same from the request and
@@ -805,6 +836,42 @@ mod tests {
         idx.forget(&s, &a, 2, &m);
         let after = idx.longest_match(&s, &a, 1000, 4);
         assert_eq!((after.blocks, after.rank), (0, None));
+    }
+
+    #[test]
+    fn a_withdrawn_turn_leaves_the_conversation_as_it_was() {
+        let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
+        idx.table().ensure_buckets(&s);
+        let turn1 = random_chain(1, 12, &[], 0);
+        idx.record(&s, &turn1, 2, 1000, &Match::default());
+        // The next turn is recorded when placed (positions only), then not served: withdrawn.
+        let turn2 = random_chain(1, 20, &turn1, 12);
+        let m = idx.longest_match(&s, &turn2, 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (12, Some(2), false));
+        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &m);
+        assert!(wrote);
+        assert_eq!(idx.longest_match(&s, &turn2, 1000, 4).blocks, 16);
+        idx.withdraw(&s, &turn2, 2, &m);
+        // What turn 1 recorded is intact and still its own history (not branched), and a retry
+        // of turn 2 matches exactly as the first attempt did.
+        let again = idx.longest_match(&s, &turn2, 1000, 4);
+        assert_eq!(
+            (again.blocks, again.rank, again.branched),
+            (12, Some(2), false)
+        );
+        // Served this time: positions, then the marks.
+        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &again);
+        idx.mark_matched(&s, &turn2, 2, 1000, &again, wrote);
+        let m = idx.longest_match(&s, &random_chain(1, 30, &turn2, 20), 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
+        let other = random_chain(9, 14, &turn1, 12);
+        assert!(
+            idx.longest_match(&s, &other, 1000, 4).branched,
+            "turn 1's end went on: branched"
+        );
+        // Withdrawing for another rank removes nothing.
+        idx.withdraw(&s, &turn2, 1, &again);
+        assert_eq!(idx.longest_match(&s, &turn2, 1000, 4).blocks, 16);
     }
 
     #[test]

@@ -28,7 +28,8 @@
 //! - per column, `8 + 8 × dp_size` bytes: `id: u32 | stamp: u32 | inflight: u32 × dp_size |
 //!   recent: u32 × dp_size`.
 //!
-//! A value that does not decode (garbage, another `dp_size`) reads as an idle board and is
+//! The key, `<namespace>/load2/<dp_size>`, names the layout's version. A value that does not
+//! decode (garbage, another `dp_size`) reads as an idle board and is
 //! replaced on the next write: corruption costs a few seconds of load view, never a panic.
 
 use crate::table::{Store, StoreError};
@@ -351,7 +352,10 @@ pub struct RankBoard {
 impl RankBoard {
     pub fn new(namespace: &str, dp_size: u32, cas_retries: u32) -> RankBoard {
         RankBoard {
-            key: format!("{namespace}/load/{dp_size}"),
+            // The layout's version is in the key: VMs of a filter build with another layout
+            // (during an upgrade) keep their own board instead of reading each other's as garbage
+            // and overwriting it.
+            key: format!("{namespace}/load2/{dp_size}"),
             dp_size: dp_size as usize,
             cas_retries,
         }
@@ -654,7 +658,7 @@ mod tests {
         b.release(&s, &mut a, 101, 0);
         b.release(&s, &mut a, 101, 1);
         let columns = |s: &MemStore| {
-            let value = s.get("t/load/2").0.unwrap();
+            let value = s.get("t/load2/2").0.unwrap();
             Board::decode(&value, 2).unwrap().columns.len()
         };
         // Nothing in flight, but the recent work is still published until it has decayed.
@@ -663,10 +667,10 @@ mod tests {
         b.publish(&s, &mut a, 101);
         // Idle: that tick removed the column; the next ones only read.
         assert_eq!(columns(&s), 1);
-        let cas = s.get("t/load/2").1;
+        let cas = s.get("t/load2/2").1;
         b.publish(&s, &mut a, 102);
         b.publish(&s, &mut a, 103);
-        assert_eq!(s.get("t/load/2").1, cas, "an idle VM's tick wrote");
+        assert_eq!(s.get("t/load2/2").1, cas, "an idle VM's tick wrote");
         assert_eq!(seen(&s, &b, 103), [1, 0]);
     }
 
@@ -714,7 +718,7 @@ mod tests {
         // A live VM's next write removes it.
         let mut live = LocalLoad::new(2);
         b.acquire(&s, &mut live, 101 + LEASE_SECONDS, 1, |_| Some(0));
-        let value = s.get("t/load/2").0.unwrap();
+        let value = s.get("t/load2/2").0.unwrap();
         assert_eq!(Board::decode(&value, 2).unwrap().columns.len(), 1);
     }
 
@@ -728,7 +732,7 @@ mod tests {
             assert_eq!(seen(&s, &b, now), [1, 0]);
         }
         // Another VM dropped our column (our ticks stalled): the next publish puts it back.
-        s.raw_set("t/load/2", Board::empty(2, 7).encode());
+        s.raw_set("t/load2/2", Board::empty(2, 7).encode());
         assert_eq!(seen(&s, &b, 120), [0, 0]);
         b.publish(&s, &mut vm, 121);
         assert_eq!(seen(&s, &b, 121), [1, 0]);
@@ -774,14 +778,14 @@ mod tests {
     #[test]
     fn garbage_reads_as_idle_and_is_replaced() {
         let (s, b) = board(4, 3);
-        s.raw_set("t/load/4", vec![0xff; 13]);
+        s.raw_set("t/load2/4", vec![0xff; 13]);
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
         let mut vm = LocalLoad::new(4);
         let (r, _) = b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         assert_eq!(r, Some(0));
         assert_eq!(seen(&s, &b, 100), [1, 0, 0, 0]);
         // A board of another dp_size under the same key is garbage too.
-        s.raw_set("t/load/4", Board::empty(3, 1).encode());
+        s.raw_set("t/load2/4", Board::empty(3, 1).encode());
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
     }
 
@@ -855,7 +859,7 @@ mod tests {
             let mut vm = LocalLoad::new(1);
             b.acquire(&s, &mut vm, 100, 1, |_| Some(0));
         }
-        let value = s.get("t/load/1").0.unwrap();
+        let value = s.get("t/load2/1").0.unwrap();
         assert_eq!(Board::decode(&value, 1).unwrap().columns.len(), MAX_COLUMNS);
     }
 }

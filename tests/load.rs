@@ -476,11 +476,13 @@ fn only_a_served_prompt_stays_in_the_prefix_index() {
     // found nothing.
     let counters = stack.settled();
     assert_eq!(counters.get("prefix_recorded"), REFUSED.len() as u64);
+    assert_eq!(counters.get("prefix_withdrawn"), REFUSED.len() as u64);
     assert_eq!(counters.get("prefix_miss"), REFUSED.len() as u64);
     counters.assert_zero(&["prefix_hit"]);
     assert_eq!(stack.send(&request()).status, 200);
     let counters = stack.settled();
     assert_eq!(counters.get("prefix_recorded"), REFUSED.len() as u64 + 1);
+    assert_eq!(counters.get("prefix_withdrawn"), REFUSED.len() as u64);
     assert_eq!(counters.get("prefix_miss"), REFUSED.len() as u64 + 1);
     // The served one stays: the next requests with that prompt find it.
     let rank = served_rank(&stack.send(&request()));

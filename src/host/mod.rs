@@ -439,6 +439,9 @@ struct PrefixState {
     matched: Match,
     /// The rank the chain was recorded under (once recorded: a chain is recorded at most once).
     recorded: Option<u32>,
+    /// The matched position's marks (branched, holder) still to write once the rank serves the
+    /// request: `Some(whether the record wrote positions)`.
+    marks_pending: Option<bool>,
 }
 
 struct Filter {
@@ -587,7 +590,8 @@ impl HttpContext for Filter {
         self.answered = true;
         let echo_wanted = self.rt.cfg.echo_header.is_some();
         // Each branch reads only what it needs: host calls are the filter's main cost.
-        // A chain to record needs the status (recorded on a 2xx only) and the rank.
+        // A chain the filter did not record at placement (Envoy balanced) is recorded from a
+        // 2xx under the rank that answered; one it did is kept on a 2xx, withdrawn otherwise.
         let prefix_pending = self.prefix.is_some();
         let (served, echo_in_place) = match self.routed {
             Routed::Unset => return Action::Continue, // our own 400, or answered before us
@@ -621,7 +625,7 @@ impl HttpContext for Filter {
                 if facts.served() {
                     self.learn(hash, served);
                     if let Some(rank) = served {
-                        self.record_prefix(rank);
+                        self.keep_prefix(rank);
                     }
                 }
                 (served, facts.echo_in_place)
@@ -630,7 +634,7 @@ impl HttpContext for Filter {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
                 if let (true, Some(rank)) = (facts.served(), served) {
-                    self.record_prefix(rank);
+                    self.keep_prefix(rank);
                 }
                 (served, facts.echo_in_place)
             }
@@ -720,6 +724,7 @@ impl Filter {
                 chain,
                 matched: Match::default(),
                 recorded: None,
+                marks_pending: None,
             });
         }
         self.apply(decision, true)
@@ -789,6 +794,8 @@ impl Filter {
             self.rank_not_applied();
             return Action::Continue;
         }
+        // Refused here: the chain recorded at placement was never served.
+        self.withdraw_placed_prefix();
         self.routed = Routed::Unset;
         let (status, message) = if too_large {
             (413, "the request body is over body.max_bytes, so the filter cannot check its rank fields")
@@ -818,6 +825,8 @@ impl Filter {
     /// request itself, so the filter learns the rank from the answer like a balanced one and no
     /// longer counts it on the rank it chose.
     fn rank_not_applied(&mut self) {
+        // The chain was recorded under the rank chosen; the answer's rank is recorded instead.
+        self.withdraw_placed_prefix();
         self.engine_rank = None;
         self.routed = match self.routed {
             Routed::Pinned { hash, .. } => Routed::Learn { hash },
@@ -1040,19 +1049,51 @@ impl Filter {
         }
         state.recorded = Some(rank);
         // A next turn that crossed no grid position and was served where it matched makes no
-        // store call at all: `record` only touches what changed.
+        // store call at all: `record_positions` only touches what changed.
         let new_positions = idx.writes_needed(state.chain.len(), &state.matched) > 0;
         let store = IndexStore::new(&rt.counters);
-        let events = idx.record(
+        let (events, wrote) = idx.record_positions(
             &store,
             state.chain.hashes(),
             rank,
             rt.clock.now(),
             &state.matched,
         );
+        state.marks_pending = Some(wrote);
         rt.counters.add_index_events(events);
         if new_positions && events.cas_exhausted == 0 {
             rt.counters.add(Counter::PrefixRecorded, 1);
+        }
+    }
+
+    /// The rank served the request: the chain stays (recorded now if it was not at placement)
+    /// and the matched position gets its marks. Marks wait for the answer because a request
+    /// that fails must not leave a conversation's own history looking shared.
+    fn keep_prefix(&mut self, rank: u32) {
+        self.record_prefix(rank);
+        let rt = self.rt.clone();
+        let (Some(idx), Some(state)) = (rt.prefix.as_ref(), self.prefix.as_mut()) else {
+            return;
+        };
+        let (Some(recorded), Some(wrote)) = (state.recorded, state.marks_pending.take()) else {
+            return;
+        };
+        let store = IndexStore::new(&rt.counters);
+        let events = idx.mark_matched(
+            &store,
+            state.chain.hashes(),
+            recorded,
+            rt.clock.now(),
+            &state.matched,
+            wrote,
+        );
+        rt.counters.add_index_events(events);
+    }
+
+    /// Withdraws the chain recorded under the rank the filter placed this request on (if it did).
+    fn withdraw_placed_prefix(&mut self) {
+        if let Routed::Pinned { rank, .. } | Routed::Direct { rank, .. } = self.routed {
+            self.withdraw_prefix(rank);
         }
     }
 
@@ -1068,9 +1109,13 @@ impl Filter {
             return;
         }
         state.recorded = None;
+        state.marks_pending = None;
         let store = IndexStore::new(&rt.counters);
         let events = idx.withdraw(&store, state.chain.hashes(), rank, &state.matched);
         rt.counters.add_index_events(events);
+        if store.store.writes() > 0 {
+            rt.counters.add(Counter::PrefixWithdrawn, 1);
+        }
     }
 
     /// `rank` failed this request: if the chain was recorded under it (or the prefix sent the
@@ -1215,7 +1260,7 @@ impl Filter {
         if verdict.forget_prefix {
             self.forget_prefix(rank);
         } else if verdict.record_prefix {
-            self.record_prefix(rank);
+            self.keep_prefix(rank);
         } else {
             self.withdraw_prefix(rank);
         }
