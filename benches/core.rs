@@ -26,6 +26,7 @@ use dp_affinity::hash::KeyedHasher;
 use dp_affinity::json_scan::scan_top_level;
 use dp_affinity::prefix_index::{Match, PrefixIndex};
 use dp_affinity::prompt::{prompt_chain, scan_prompt, Api};
+use dp_affinity::ranks::{LocalLoad, RankBoard};
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored};
 
 // ---------------------------------------------------------------------------------------------
@@ -812,6 +813,48 @@ fn prefix_index_rows(b: Budget) -> Vec<Row> {
     rows
 }
 
+// ---------------------------------------------------------------------------------------------
+// Rank board
+// ---------------------------------------------------------------------------------------------
+
+/// The rank board's per-request work: `acquire` (read, choose, count, write) when a request is
+/// placed and `release` when it ends, for one VM whose board also carries another VM's column
+/// (two Envoy workers). The chooser takes the least loaded rank: the board work, not placement's.
+fn board_rows(b: Budget) -> Vec<Row> {
+    const RANKS: u32 = 4;
+    let store = BenchStore::default();
+    let board = RankBoard::new("bench", RANKS, 8);
+    board.ensure(&store, T0);
+    let mut other = LocalLoad::new(RANKS);
+    board.acquire(&store, &mut other, T0, 1, |_| Some(1));
+    let mut vm = LocalLoad::new(RANKS);
+    let least_loaded = |st: &dp_affinity::ranks::RankStates| {
+        (0..RANKS).min_by_key(|&r| (st.inflight(r), st.recent(r)))
+    };
+    let sample = measure(b, |_| {
+        let (rank, _) = board.acquire(&store, &mut vm, T0, 16, least_loaded);
+        let rank = rank.expect("a rank is always usable");
+        black_box(board.release(&store, &mut vm, T0, rank));
+    });
+    let mut rows = vec![Row {
+        name: "rank board acquire + release".into(),
+        sample,
+        goal: Goal::Ns,
+        note: format!(
+            "dp_size {RANKS}, two VMs' columns; 2 store reads + 2 writes (what every placed request pays)"
+        ),
+    }];
+    rows.push(Row {
+        name: "rank board read (view)".into(),
+        sample: measure(b, |_| {
+            black_box(board.read(&store, &vm, T0));
+        }),
+        goal: Goal::Ns,
+        note: "1 store read: the tick's gauges".into(),
+    });
+    rows
+}
+
 fn main() {
     let budget = Budget::from_env();
     let started = Instant::now();
@@ -819,6 +862,7 @@ fn main() {
     rows.extend(extraction_rows(budget));
     rows.extend(prefix_hashing_rows(budget));
     rows.extend(prefix_index_rows(budget));
+    rows.extend(board_rows(budget));
     print_table(&rows);
     println!();
     println!(

@@ -61,7 +61,7 @@ pub struct RankLoad {
 }
 
 /// All ranks' state, as an assigner sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RankStates {
     pub ranks: Vec<RankLoad>,
 }
@@ -96,7 +96,7 @@ impl RankStates {
 }
 
 /// This VM's own streams in flight per rank: the truth its column publishes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct LocalLoad {
     /// The column this VM writes (given out by the board on its first write).
     id: Option<u32>,
@@ -107,6 +107,19 @@ pub struct LocalLoad {
     recent: Vec<u32>,
     /// The last successful write left a column of ours on the board (it had counts).
     in_board: bool,
+    /// Buffers every read-modify-write of the board reuses (no allocation per request).
+    scratch: Scratch,
+}
+
+/// What one read-modify-write of the board works in: the counts being changed, the view
+/// handed to a chooser, and the value to write. Kept with the VM's counts and reused, so the
+/// board's per-request work allocates nothing once they have grown to size.
+#[derive(Debug, Clone, Default)]
+struct Scratch {
+    counts: Vec<u32>,
+    recent: Vec<u32>,
+    view: RankStates,
+    out: Vec<u8>,
 }
 
 impl LocalLoad {
@@ -117,6 +130,7 @@ impl LocalLoad {
             dirty: false,
             in_board: false,
             recent: vec![0; dp_size as usize],
+            scratch: Scratch::default(),
         }
     }
 
@@ -177,6 +191,186 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 
 fn u16_at(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+
+/// Bytes of one column: `id | stamp | inflight × dp_size | recent × dp_size`.
+fn column_bytes(dp_size: usize) -> usize {
+    8 + 8 * dp_size
+}
+
+/// A board value read where it lies, without decoding it into vectors: what every request's
+/// acquire and release use. [`BoardBytes::parse`] accepts exactly what [`Board::decode`] does,
+/// and [`BoardBytes::write_with_column`] writes exactly what `put_column` then `encode` would,
+/// byte for byte (a test holds the two to it).
+#[derive(Debug, Clone, Copy)]
+struct BoardBytes<'a> {
+    b: &'a [u8],
+    dp_size: usize,
+}
+
+impl<'a> BoardBytes<'a> {
+    fn parse(b: &'a [u8], dp_size: usize) -> Option<BoardBytes<'a>> {
+        if b.get(0..4)? != MAGIC || usize::from(u16_at(b, 10)?) != dp_size {
+            return None;
+        }
+        let columns = usize::from(u16_at(b, 8)?);
+        if b.len() != HEADER + RANK_RECORD * dp_size + column_bytes(dp_size) * columns {
+            return None;
+        }
+        Some(BoardBytes { b, dp_size })
+    }
+
+    fn next_id(&self) -> u32 {
+        u32_at(self.b, 4).unwrap_or(0)
+    }
+
+    /// The per-rank health records, 12 bytes each.
+    fn health(&self) -> &'a [u8] {
+        self.b
+            .get(HEADER..HEADER + RANK_RECORD * self.dp_size)
+            .unwrap_or(&[])
+    }
+
+    /// The columns, in board order (the length was checked, so they divide exactly).
+    fn columns(&self) -> std::slice::ChunksExact<'a, u8> {
+        let start = HEADER + RANK_RECORD * self.dp_size;
+        self.b
+            .get(start..)
+            .unwrap_or(&[])
+            .chunks_exact(column_bytes(self.dp_size))
+    }
+
+    /// [`Board::view`] of this value, into `out` (its allocation is reused).
+    fn view_into(
+        &self,
+        now: u32,
+        own: Option<u32>,
+        local: Option<(&[u32], &[u32])>,
+        out: &mut Vec<RankLoad>,
+    ) {
+        out.clear();
+        out.extend(self.health().chunks_exact(RANK_RECORD).map(|h| RankLoad {
+            inflight: 0,
+            down_until: u32_at(h, 0).unwrap_or(0),
+            recent: 0,
+        }));
+        let dp_size = self.dp_size;
+        for column in self.columns() {
+            let skip =
+                !column_live(column, now) || (local.is_some() && Some(column_id(column)) == own);
+            if skip {
+                continue;
+            }
+            let (inflight, recent) = column_counts(column, dp_size);
+            for (r, (n, w)) in out.iter_mut().zip(inflight.zip(recent)) {
+                r.inflight = r.inflight.saturating_add(n);
+                r.recent = r.recent.saturating_add(w);
+            }
+        }
+        // Unsigned saturating sums do not depend on their order: adding this VM's own counts
+        // last gives what adding them in column order would.
+        if let Some((counts, recent)) = local {
+            for (r, n) in out.iter_mut().zip(counts) {
+                r.inflight = r.inflight.saturating_add(*n);
+            }
+            for (r, n) in out.iter_mut().zip(recent) {
+                r.recent = r.recent.saturating_add(*n);
+            }
+        }
+    }
+
+    /// A column id no column uses, advancing `next_id` past it ([`Board::take_id`]).
+    fn take_id(&self, next_id: &mut u32) -> u32 {
+        loop {
+            let id = *next_id;
+            *next_id = next_id.wrapping_add(1);
+            if self.columns().all(|c| column_id(c) != id) {
+                return id;
+            }
+        }
+    }
+
+    /// Writes into `out` this board with `next_id`, column `id` holding `counts` and `recent`
+    /// (or removed when both are all zero), dead columns dropped and, past [`MAX_COLUMNS`], the
+    /// stalest: what [`Board::put_column`] then [`Board::encode`] give.
+    fn write_with_column(
+        &self,
+        next_id: u32,
+        id: u32,
+        (counts, recent): (&[u32], &[u32]),
+        now: u32,
+        out: &mut Vec<u8>,
+    ) {
+        let keep = |c: &&[u8]| column_id(c) != id && column_live(c, now);
+        let ours = counts.iter().chain(recent).any(|&n| n > 0);
+        let kept = self.columns().filter(keep).count();
+        // `put_column` swap-removes the stalest kept column (the first of equal stamps) when
+        // the board is full: the last kept column takes its place.
+        let stalest = (ours && kept >= MAX_COLUMNS)
+            .then(|| {
+                self.columns()
+                    .filter(keep)
+                    .enumerate()
+                    .min_by_key(|(_, c)| column_stamp(c))
+                    .map(|(i, _)| i)
+            })
+            .flatten();
+        let last = stalest.and_then(|_| self.columns().rfind(keep));
+        let written = kept - usize::from(stalest.is_some()) + usize::from(ours);
+        out.clear();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&next_id.to_le_bytes());
+        // Both fit: columns are capped at MAX_COLUMNS and dp_size by the config.
+        out.extend_from_slice(&(written as u16).to_le_bytes());
+        out.extend_from_slice(&(self.dp_size as u16).to_le_bytes());
+        out.extend_from_slice(self.health());
+        for (i, column) in self.columns().filter(keep).enumerate() {
+            match stalest {
+                // The last kept column moved into the stalest one's place (or was the stalest).
+                Some(_) if i + 1 == kept => {}
+                Some(s) if i == s => out.extend_from_slice(last.unwrap_or(column)),
+                _ => out.extend_from_slice(column),
+            }
+        }
+        if ours {
+            out.extend_from_slice(&id.to_le_bytes());
+            out.extend_from_slice(&now.to_le_bytes());
+            for n in counts.iter().chain(recent) {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
+    }
+}
+
+fn column_id(column: &[u8]) -> u32 {
+    u32_at(column, 0).unwrap_or(0)
+}
+
+fn column_stamp(column: &[u8]) -> u32 {
+    u32_at(column, 4).unwrap_or(0)
+}
+
+/// A column stamped more than [`LEASE_SECONDS`] ago is a dead VM's ([`Board::live`]).
+fn column_live(column: &[u8], now: u32) -> bool {
+    column_stamp(column).saturating_add(LEASE_SECONDS) >= now
+}
+
+/// A column's in-flight counts and recent work, per rank.
+fn column_counts(
+    column: &[u8],
+    dp_size: usize,
+) -> (
+    impl Iterator<Item = u32> + '_,
+    impl Iterator<Item = u32> + '_,
+) {
+    let values = |from: usize| {
+        column
+            .get(from..from + 4 * dp_size)
+            .unwrap_or(&[])
+            .chunks_exact(4)
+            .map(|w| u32_at(w, 0).unwrap_or(0))
+    };
+    (values(8), values(8 + 4 * dp_size))
 }
 
 impl Board {
@@ -258,12 +452,17 @@ impl Board {
         out
     }
 
+    // The operations below, on the decoded form, are the reference model the byte-level ones
+    // of `BoardBytes` (what requests run) are tested against.
+
+    #[cfg(test)]
     fn live(column: &Column, now: u32) -> bool {
         column.stamp.saturating_add(LEASE_SECONDS) >= now
     }
 
     /// The assigners' view: live columns other than `own`, plus `local` (its counts and recent
     /// work) in its place.
+    #[cfg(test)]
     fn view(&self, now: u32, own: Option<u32>, local: Option<(&[u32], &[u32])>) -> RankStates {
         let mut ranks: Vec<RankLoad> = self
             .health
@@ -299,6 +498,7 @@ impl Board {
 
     /// Writes `counts` and `recent` as column `id` (or removes it when both are all zero),
     /// drops dead columns and, past [`MAX_COLUMNS`], the stalest.
+    #[cfg(test)]
     fn put_column(&mut self, id: u32, counts: &[u32], recent: &[u32], now: u32) {
         self.columns.retain(|c| c.id != id && Board::live(c, now));
         if counts.iter().chain(recent).any(|&n| n > 0) {
@@ -319,6 +519,7 @@ impl Board {
     }
 
     /// A column id no column uses.
+    #[cfg(test)]
     fn take_id(&mut self) -> u32 {
         loop {
             let id = self.next_id;
@@ -376,11 +577,35 @@ impl RankBoard {
     /// memory in place of its column (they may be newer than what it last published).
     pub fn read(&self, store: &dyn Store, local: &LocalLoad, now: u32) -> RankStates {
         let (value, _) = store.get(&self.key);
-        self.decode(value.as_deref(), now).view(
-            now,
-            local.id,
-            Some((&local.inflight, &local.recent)),
-        )
+        let mut view = RankStates::default();
+        self.with_bytes(value.as_deref(), now, |board| {
+            board.view_into(
+                now,
+                local.id,
+                Some((&local.inflight, &local.recent)),
+                &mut view.ranks,
+            )
+        });
+        view
+    }
+
+    /// Runs `f` on the board `value` holds, or on an idle board when it holds none that decodes
+    /// (corruption, another layout): the next write replaces it.
+    fn with_bytes<T>(
+        &self,
+        value: Option<&[u8]>,
+        now: u32,
+        f: impl FnOnce(BoardBytes<'_>) -> T,
+    ) -> T {
+        if let Some(board) = value.and_then(|b| BoardBytes::parse(b, self.dp_size)) {
+            return f(board);
+        }
+        let empty = Board::empty(self.dp_size, now).encode();
+        let board = BoardBytes::parse(&empty, self.dp_size).unwrap_or(BoardBytes {
+            b: &[],
+            dp_size: self.dp_size,
+        });
+        f(board)
     }
 
     /// Reads the state, lets `choose` pick a rank from it, and counts one more request in flight
@@ -397,15 +622,21 @@ impl RankBoard {
         mut choose: impl FnMut(&RankStates) -> Option<u32>,
     ) -> (Option<u32>, BoardEvents) {
         let mut chosen = None;
-        let events = self.publish_with(store, local, now, |board, id, counts, recent| {
-            chosen = choose(&board.view(now, id, Some((counts, recent))));
+        let events = self.publish_with(store, local, now, |board, id, work| {
+            board.view_into(
+                now,
+                id,
+                Some((&work.counts, &work.recent)),
+                &mut work.view.ranks,
+            );
+            chosen = choose(&work.view);
             let Some(r) = chosen.map(|r| r as usize) else {
                 return false;
             };
-            match (counts.get_mut(r), recent.get_mut(r)) {
-                (Some(n), Some(work)) => {
+            match (work.counts.get_mut(r), work.recent.get_mut(r)) {
+                (Some(n), Some(w)) => {
                     *n = n.saturating_add(1);
-                    *work = work.saturating_add(blocks);
+                    *w = w.saturating_add(blocks);
                     true
                 }
                 _ => false,
@@ -422,8 +653,8 @@ impl RankBoard {
         now: u32,
         rank: u32,
     ) -> BoardEvents {
-        self.publish_with(store, local, now, |_, _, counts, _| {
-            match counts.get_mut(rank as usize) {
+        self.publish_with(store, local, now, |_, _, work| {
+            match work.counts.get_mut(rank as usize) {
                 Some(n) if *n > 0 => {
                     *n -= 1;
                     true
@@ -446,8 +677,15 @@ impl RankBoard {
         }
         local.dirty = true;
         let mut view = None;
-        let events = self.publish_with(store, local, now, |board, id, counts, recent| {
-            view = Some(board.view(now, id, Some((counts, recent))));
+        let events = self.publish_with(store, local, now, |board, id, work| {
+            let mut states = RankStates::default();
+            board.view_into(
+                now,
+                id,
+                Some((&work.counts, &work.recent)),
+                &mut states.ranks,
+            );
+            view = Some(states);
             true
         });
         let view = view.unwrap_or_else(|| self.read(store, local, now));
@@ -455,45 +693,69 @@ impl RankBoard {
     }
 
     /// Writes this VM's column after `change` (given the board as read, the column's id, and
-    /// copies of the counts and the recent work to change; `false`: nothing to do, unless an
-    /// earlier change is still unpublished). Memory takes the change whether or not a write
-    /// succeeded.
+    /// the scratch holding copies of the counts and the recent work to change; `false`: nothing
+    /// to do, unless an earlier change is still unpublished). Memory takes the change whether
+    /// or not a write succeeded.
     fn publish_with(
         &self,
         store: &dyn Store,
         local: &mut LocalLoad,
         now: u32,
-        mut change: impl FnMut(&Board, Option<u32>, &mut Vec<u32>, &mut Vec<u32>) -> bool,
+        change: impl FnMut(BoardBytes<'_>, Option<u32>, &mut Scratch) -> bool,
+    ) -> BoardEvents {
+        // Taken out for the call (the change reads `local` while it fills the scratch).
+        let mut scratch = std::mem::take(&mut local.scratch);
+        let events = self.publish_attempts(store, local, now, &mut scratch, change);
+        local.scratch = scratch;
+        events
+    }
+
+    fn publish_attempts(
+        &self,
+        store: &dyn Store,
+        local: &mut LocalLoad,
+        now: u32,
+        work: &mut Scratch,
+        mut change: impl FnMut(BoardBytes<'_>, Option<u32>, &mut Scratch) -> bool,
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
-        let mut changed = None;
+        let mut changed = false;
         for attempt in 0..=self.cas_retries {
             let (value, cas) = store.get(&self.key);
-            let mut board = self.decode(value.as_deref(), now);
-            let mut counts = local.inflight.clone();
-            let mut recent = local.recent.clone();
-            let changes = change(&board, local.id, &mut counts, &mut recent);
-            if !changes && !local.dirty {
+            let step = self.with_bytes(value.as_deref(), now, |board| {
+                work.counts.clone_from(&local.inflight);
+                work.recent.clone_from(&local.recent);
+                let changes = change(board, local.id, work);
+                if !changes && !local.dirty {
+                    return None;
+                }
+                // A VM keeps its id for life, even when another VM dropped its column
+                // meanwhile (its ticks stalled past the lease): the write puts the column back.
+                let mut next_id = board.next_id();
+                let id = match local.id {
+                    Some(id) => id,
+                    None => board.take_id(&mut next_id),
+                };
+                let mut out = std::mem::take(&mut work.out);
+                board.write_with_column(next_id, id, (&work.counts, &work.recent), now, &mut out);
+                work.out = out;
+                Some((changes, id))
+            });
+            let Some((changes, id)) = step else {
                 return events;
-            }
-            // A VM keeps its id for life, even when another VM dropped its column meanwhile
-            // (its ticks stalled past the lease): the write puts the column back.
-            let id = match local.id {
-                Some(id) => id,
-                None => board.take_id(),
             };
-            board.put_column(id, &counts, &recent, now);
-            let written = store.set(&self.key, &board.encode(), cas);
+            let written = store.set(&self.key, &work.out, cas);
             if written.is_ok() {
-                local.in_board = counts.iter().chain(&recent).any(|&n| n > 0);
-                local.inflight = counts;
-                local.recent = recent;
+                local.in_board = work.counts.iter().chain(&work.recent).any(|&n| n > 0);
+                // Swapped, not moved: the scratch keeps the old vectors' allocations.
+                std::mem::swap(&mut local.inflight, &mut work.counts);
+                std::mem::swap(&mut local.recent, &mut work.recent);
                 local.id = Some(id);
                 local.dirty = false;
                 return events;
             }
             // Kept for the memory if every retry loses.
-            changed = changes.then_some((counts, recent));
+            changed = changes;
             match written {
                 Err(StoreError::CasMismatch) if attempt < self.cas_retries => {
                     events.cas_retries += 1
@@ -502,9 +764,9 @@ impl RankBoard {
             }
         }
         events.cas_exhausted += 1;
-        if let Some((counts, recent)) = changed {
-            local.inflight = counts;
-            local.recent = recent;
+        if changed {
+            std::mem::swap(&mut local.inflight, &mut work.counts);
+            std::mem::swap(&mut local.recent, &mut work.recent);
         }
         local.dirty = true;
         events
@@ -850,6 +1112,122 @@ mod tests {
         assert_eq!(b.read(&s, &other, 161).recent(1), 0);
         assert_eq!(b.read(&s, &vm, 161).recent(1), 0);
         assert!(!vm.in_board);
+    }
+
+    /// A deterministic stream of test values (splitmix64).
+    fn rng(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut x = seed;
+        move |below| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % below.max(1)
+        }
+    }
+
+    /// A board with random health, column ids (colliding now and then), stamps around `now`
+    /// (live, dead and on the lease's edge, often equal) and counts (zeros, saturating ones).
+    fn random_board(next: &mut impl FnMut(u64) -> u64, dp_size: usize, now: u32) -> Board {
+        let value = |next: &mut dyn FnMut(u64) -> u64| match next(4) {
+            0 => 0,
+            1 => u32::MAX - next(3) as u32,
+            _ => next(50) as u32,
+        };
+        // A full board (past MAX_COLUMNS the stalest column goes) has mostly live columns.
+        let (columns, ages) = match next(4) {
+            0 => (MAX_COLUMNS - 1 + next(4) as usize, LEASE_SECONDS as u64 + 1),
+            _ => (next(6) as usize, LEASE_SECONDS as u64 + 3),
+        };
+        Board {
+            next_id: next(20) as u32,
+            health: (0..dp_size)
+                .map(|_| RankHealth {
+                    down_until: now + next(3) as u32 - 1,
+                    strike_since: next(1000) as u32,
+                    strikes: next(4) as u32,
+                })
+                .collect(),
+            columns: (0..columns)
+                .map(|_| Column {
+                    id: next(24) as u32,
+                    stamp: now - next(ages) as u32,
+                    inflight: (0..dp_size).map(|_| value(next)).collect(),
+                    recent: (0..dp_size).map(|_| value(next)).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn byte_level_board_work_matches_the_decoded_reference() {
+        let mut next = rng(7);
+        let now = 1000;
+        let mut capped = 0;
+        for case in 0..3000 {
+            let dp_size = 1 + next(5) as usize;
+            let board = random_board(&mut next, dp_size, now);
+            let bytes = board.encode();
+            let parsed = BoardBytes::parse(&bytes, dp_size).expect("an encoded board parses");
+            let own = (next(3) > 0).then(|| next(24) as u32);
+            let zeros = next(3) == 0;
+            let counts: Vec<u32> = (0..dp_size)
+                .map(|_| if zeros { 0 } else { next(5) as u32 })
+                .collect();
+            let recent: Vec<u32> = (0..dp_size)
+                .map(|_| if zeros { 0 } else { next(90) as u32 })
+                .collect();
+            // The view, with and without this VM's own counts.
+            for local in [None, Some((&counts[..], &recent[..]))] {
+                let mut view = Vec::new();
+                parsed.view_into(now, own, local, &mut view);
+                assert_eq!(view, board.view(now, own, local).ranks, "case {case}");
+            }
+            // A new column id, then the write.
+            let mut reference = board.clone();
+            let mut next_id = parsed.next_id();
+            let id = match own {
+                Some(id) => id,
+                None => {
+                    let id = parsed.take_id(&mut next_id);
+                    assert_eq!(id, reference.take_id(), "case {case}");
+                    id
+                }
+            };
+            let before = reference.columns.len();
+            reference.put_column(id, &counts, &recent, now);
+            capped += usize::from(before >= MAX_COLUMNS && reference.columns.len() == MAX_COLUMNS);
+            let mut out = vec![0xAA; 3];
+            parsed.write_with_column(next_id, id, (&counts, &recent), now, &mut out);
+            assert_eq!(out, reference.encode(), "case {case}");
+        }
+        assert!(capped > 50, "the full-board case ran {capped} times");
+    }
+
+    #[test]
+    fn byte_level_parse_accepts_what_decode_accepts() {
+        let mut next = rng(11);
+        for _ in 0..2000 {
+            let dp_size = 1 + next(4) as usize;
+            let mut bytes = random_board(&mut next, dp_size, 1000).encode();
+            match next(4) {
+                0 => bytes.truncate(next(bytes.len() as u64 + 1) as usize),
+                1 => {
+                    let at = next(bytes.len().min(16) as u64) as usize;
+                    if let Some(b) = bytes.get_mut(at) {
+                        *b ^= 1 << next(8);
+                    }
+                }
+                2 => bytes.push(next(256) as u8),
+                _ => {}
+            }
+            for d in [dp_size, dp_size + 1] {
+                assert_eq!(
+                    BoardBytes::parse(&bytes, d).is_some(),
+                    Board::decode(&bytes, d).is_some()
+                );
+            }
+        }
     }
 
     #[test]
