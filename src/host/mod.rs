@@ -945,8 +945,8 @@ impl Filter {
             key,
             matched,
             // No key: the prompt's anchor stands for one, so every replica gives the
-            // conversation the same home.
-            anchor: self.prefix_anchor(),
+            // conversation the same home (a key is its own anchor).
+            anchor: key.is_none().then(|| self.prefix_anchor()).flatten(),
             turn,
         };
         let blocks = self.prompt_blocks();
