@@ -271,16 +271,13 @@ impl PrefixIndex {
         rank: u32,
         matched: &Match,
     ) -> TableEvents {
-        let mut events = TableEvents::default();
-        for &p in self.positions(chain.len()).iter().rev() {
-            if p as usize <= matched.blocks {
-                break;
-            }
-            if let Some(&h) = chain.get(p as usize - 1) {
-                events.add(self.table.unpin(store, h, rank).1);
-            }
-        }
-        events
+        let added = self.positions(chain.len()).iter().rev();
+        self.unpin_all(
+            store,
+            chain,
+            rank,
+            added.take_while(|&&p| p as usize > matched.blocks),
+        )
     }
 
     /// After `rank` failed this request: removes the matched positions that still point at it,
@@ -293,12 +290,25 @@ impl PrefixIndex {
         rank: u32,
         matched: &Match,
     ) -> TableEvents {
-        let mut events = TableEvents::default();
         if matched.rank != Some(rank) {
-            return events;
+            return TableEvents::default();
         }
-        for &p in self.positions(matched.blocks.min(chain.len())).iter().rev() {
-            if let Some(&h) = chain.get(p as usize - 1) {
+        let matched_positions = self.positions(matched.blocks.min(chain.len())).iter().rev();
+        self.unpin_all(store, chain, rank, matched_positions)
+    }
+
+    /// Removes the entries of `chain` at `positions` that still point at `rank` (one read each,
+    /// a write per removal).
+    fn unpin_all<'p>(
+        &self,
+        store: &dyn Store,
+        chain: &[u64],
+        rank: u32,
+        positions: impl Iterator<Item = &'p u32>,
+    ) -> TableEvents {
+        let mut events = TableEvents::default();
+        for &p in positions {
+            if let Some(&h) = (p as usize).checked_sub(1).and_then(|i| chain.get(i)) {
                 events.add(self.table.unpin(store, h, rank).1);
             }
         }

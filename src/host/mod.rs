@@ -663,16 +663,7 @@ impl HttpContext for Filter {
             }
         }
         // The request no longer loads its rank.
-        if let Some(rank) = self.acquired.take() {
-            let rt = &self.rt;
-            let events = rt.board.release(
-                &SharedData,
-                &mut rt.local.borrow_mut(),
-                rt.clock.now(),
-                rank,
-            );
-            rt.counters.add_board_events(events);
-        }
+        self.release_acquired();
     }
 }
 
@@ -833,6 +824,11 @@ impl Filter {
             Routed::Direct { .. } => Routed::Balanced,
             other => other,
         };
+        self.release_acquired();
+    }
+
+    /// The request no longer counts in flight on the rank it was counted on (if any).
+    fn release_acquired(&mut self) {
         if let Some(rank) = self.acquired.take() {
             let rt = &self.rt;
             let events = rt.board.release(
