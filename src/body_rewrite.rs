@@ -12,7 +12,7 @@
 
 use std::ops::Range;
 
-use crate::json_scan::{ScanError, Scanner, UTF8_BOM};
+use crate::json_scan::{ScanError, Scanner};
 
 /// What to do to a body's top-level members.
 #[derive(Debug, Clone, Copy)]
@@ -92,22 +92,9 @@ pub fn rewrite(body: &[u8], edit: RankEdit<'_>) -> Result<Option<Rewritten>, Sca
 
 /// The position of the opening `{` and every top-level member, with its role under `edit`.
 fn members(body: &[u8], edit: RankEdit<'_>) -> Result<(usize, Vec<Member>), ScanError> {
-    let start = if body.starts_with(UTF8_BOM) {
-        UTF8_BOM.len()
-    } else {
-        0
-    };
-    let mut s = Scanner { b: body, i: start };
-    s.skip_ws();
-    if s.peek() != Some(b'{') {
-        return Err(ScanError::NotAnObject);
-    }
-    let open = s.i;
-    s.i += 1;
-    s.skip_ws();
+    let (mut s, open, empty) = Scanner::open_object(body)?;
     let mut out = Vec::new();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
+    if empty {
         s.expect_end()?;
         return Ok((open, out));
     }

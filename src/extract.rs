@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use crate::chain::Chain;
 use crate::config::Config;
 use crate::failure::{classify, Answer};
-use crate::json_scan::{scan_top_level, strip_bom, ScanError, Value};
+use crate::json_scan::{scan_top_level, ScanError, Value};
 use crate::prompt::{scan_prompt, Api};
 
 /// Where an explicit rank came from, for error messages.
@@ -314,8 +314,6 @@ pub fn scan_body_and_prompt<'a>(
     body: &'a [u8],
     api: Option<Api>,
 ) -> Result<(BodyFacts<'a>, Chain), ScanError> {
-    // A byte order mark is skipped here once for both walkers, as Python's `json.loads` does.
-    let body = strip_bom(body);
     let wanted: Vec<&str> = cfg.body.wanted_fields.iter().map(String::as_str).collect();
     let n_rank = if cfg.explicit.enabled {
         cfg.explicit.body_fields.len()
@@ -747,6 +745,13 @@ mod tests {
             .unwrap()
             .1;
         assert_eq!(bom_chain, plain_chain, "the mark is not part of the prompt");
+        // One mark only, as Python: a second one is not JSON, with or without the prompt walker.
+        let twice = [b"\xEF\xBB\xBF".as_slice(), &cases[0].0].concat();
+        assert_eq!(scan_body(&c, &twice), Err(ScanError::NotAnObject));
+        assert_eq!(
+            scan_body_and_prompt(&c, &twice, Some(Api::Chat)).map(|_| ()),
+            Err(ScanError::NotAnObject)
+        );
     }
 
     #[test]

@@ -81,18 +81,8 @@ pub fn scan_top_level<'a>(
     wanted: &[&str],
     mut found: impl FnMut(usize, Value<'a>),
 ) -> Result<(), ScanError> {
-    let mut s = Scanner {
-        b: body,
-        i: bom_len(body),
-    };
-    s.skip_ws();
-    if s.peek() != Some(b'{') {
-        return Err(ScanError::NotAnObject);
-    }
-    s.i += 1;
-    s.skip_ws();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
+    let (mut s, _, empty) = Scanner::open_object(body)?;
+    if empty {
         return s.expect_end();
     }
     loop {
@@ -130,12 +120,6 @@ fn bom_len(body: &[u8]) -> usize {
     }
 }
 
-/// `body` without the one UTF-8 byte order mark it may start with, for walkers that start their
-/// own [`Scanner`] at the first byte.
-pub fn strip_bom(body: &[u8]) -> &[u8] {
-    body.get(bom_len(body)..).unwrap_or(body)
-}
-
 /// The cursor over a body. Crate-visible so other single-pass walkers (the prompt walker in
 /// `prompt`) reuse the same grammar checks instead of growing a second JSON reader.
 pub(crate) struct Scanner<'a> {
@@ -144,6 +128,29 @@ pub(crate) struct Scanner<'a> {
 }
 
 impl<'a> Scanner<'a> {
+    /// How every body walker starts: past one UTF-8 byte-order mark (Python's `json.loads(bytes)`
+    /// skips one, and only at the very start), whitespace, the top-level object's `{` and the
+    /// whitespace after it. Returns the scanner there, the `{`'s position, and whether the object
+    /// is empty (its `}` consumed then).
+    pub(crate) fn open_object(body: &'a [u8]) -> Result<(Scanner<'a>, usize, bool), ScanError> {
+        let mut s = Scanner {
+            b: body,
+            i: bom_len(body),
+        };
+        s.skip_ws();
+        if s.peek() != Some(b'{') {
+            return Err(ScanError::NotAnObject);
+        }
+        let open = s.i;
+        s.i += 1;
+        s.skip_ws();
+        let empty = s.peek() == Some(b'}');
+        if empty {
+            s.i += 1;
+        }
+        Ok((s, open, empty))
+    }
+
     pub(crate) fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
@@ -626,9 +633,9 @@ mod tests {
             assert_eq!(got, Ok(()), "{}", String::from_utf8_lossy(body));
             assert_eq!(last, Some(want), "{}", String::from_utf8_lossy(body));
         }
-        assert_eq!(strip_bom(b"\xEF\xBB\xBF{}"), b"{}");
-        assert_eq!(strip_bom(b" \xEF\xBB\xBF{}"), b" \xEF\xBB\xBF{}");
-        assert_eq!(strip_bom(b"\xEF\xBB"), b"\xEF\xBB");
+        assert_eq!(bom_len(b"\xEF\xBB\xBF{}"), 3);
+        assert_eq!(bom_len(b" \xEF\xBB\xBF{}"), 0);
+        assert_eq!(bom_len(b"\xEF\xBB"), 0);
     }
 
     /// Bodies Python 3.11's `json.loads(bytes)` refuses too: its extensions stop exactly there.

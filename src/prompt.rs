@@ -128,20 +128,10 @@ pub fn scan_prompt<'a>(
     wanted: &[&str],
     mut found: impl FnMut(usize, Value<'a>),
 ) -> Result<Chain, ScanError> {
-    // The engines' parser skips a leading byte-order mark; so do both body readers.
-    let body = crate::json_scan::strip_bom(body);
-    let mut s = Scanner { b: body, i: 0 };
+    let (mut s, _, empty) = Scanner::open_object(body)?;
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;
-    s.skip_ws();
-    if s.peek() != Some(b'{') {
-        return Err(ScanError::NotAnObject);
-    }
-    s.i += 1;
-    s.skip_ws();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
-    } else {
+    if !empty {
         loop {
             let name = member_name(&mut s)?;
             let start = s.i;
