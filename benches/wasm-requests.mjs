@@ -5,11 +5,12 @@
 // job. Optional, for exploring and for checking a change's host calls; no make target needs it.
 //
 //   node --no-warnings benches/wasm-requests.mjs target/wasm32-wasip1/release/dp_affinity.wasm \
-//       [header|body] [requests]
+//       [header|body] [requests] [plugin configuration JSON]
 //
 // The requests are scripts/bench-overhead.py's: `header` is B's GET with `x-smg-routing-key`,
 // one of 1000 keys in turn, plugin {"dp_size":4,"assign":{"mode":"hash"}}; `body` is P's 64 KiB
-// chat body without a key (16 prompts in turn) with prefix placement on. The clock advances 1 ms
+// chat body without a key (16 prompts in turn) with prefix placement on. A plugin configuration
+// given as the last argument replaces the mode's. The clock advances 1 ms
 // per request and the tick runs every 1000 requests, so each key comes back after 1 s (its
 // table entry is then due for a refresh, as in the Envoy run). Each request goes through
 // context create, request headers (and body), response headers (`:status` 200, `x-dp-rank: 1`),
@@ -17,16 +18,18 @@
 import { readFileSync } from 'node:fs';
 import { argv, hrtime } from 'node:process';
 
-const [wasmPath, mode = 'header', requestsArg = '20000'] = argv.slice(2);
+const [wasmPath, mode = 'header', requestsArg = '20000', pluginArg] = argv.slice(2);
 if (!wasmPath || !['header', 'body'].includes(mode)) {
-  console.error('usage: node benches/wasm-requests.mjs <module.wasm> [header|body] [requests]');
+  console.error('usage: node benches/wasm-requests.mjs <module.wasm> [header|body] [requests] [plugin JSON]');
   process.exit(2);
 }
 const requests = Number(requestsArg);
-const PLUGIN = {
-  header: { dp_size: 4, assign: { mode: 'hash' } },
-  body: { dp_size: 4, assign: { mode: 'hash' }, prefix: { enabled: true } },
-}[mode];
+const PLUGIN = pluginArg
+  ? JSON.parse(pluginArg)
+  : {
+      header: { dp_size: 4, assign: { mode: 'hash' } },
+      body: { dp_size: 4, assign: { mode: 'hash' }, prefix: { enabled: true } },
+    }[mode];
 
 const OK = 0;
 const NOT_FOUND = 1;
