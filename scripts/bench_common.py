@@ -154,7 +154,9 @@ def start_envoy(children, config_text, workdir, name, concurrency=2):
     admin = _admin_port(config_text)
     argv = [
         ENVOY, "-c", cfg, "--concurrency", str(concurrency),
-        "--base-id", str(random.randint(1000, 60000)), "--log-level", "warn",
+        "--base-id", str(random.randint(1000, 60000)),
+        # BENCH_ENVOY_LOG=debug shows the filter's placements (one line per request) in the log.
+        "--log-level", "warn", "--component-log-level", f"wasm:{os.environ.get('BENCH_ENVOY_LOG', 'warn')}",
     ]
     proc = children.start(argv, os.path.join(workdir, f"{name}.log"))
     deadline = time.time() + 30

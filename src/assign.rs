@@ -131,6 +131,21 @@ pub fn choose_hash_of_two(
     }
 }
 
+/// The two highest-weighted usable ranks of `key`, whatever their load: the ranks
+/// [`choose_hash_of_two`] chooses between when neither is full.
+pub fn rendezvous_pair(states: &RankStates, now: u32, seed: u64, key: u64) -> [Option<u32>; 2] {
+    let mut two: [Option<(u64, u32)>; 2] = [None, None];
+    for rank in (0..states.ranks.len() as u32).filter(|&r| states.usable(r, now)) {
+        let w = weight(seed, key, rank);
+        if two[0].is_none_or(|(tw, _)| w > tw) {
+            two = [Some((w, rank)), two[0]];
+        } else if two[1].is_none_or(|(sw, _)| w > sw) {
+            two[1] = Some((w, rank));
+        }
+    }
+    two.map(|t| t.map(|(_, r)| r))
+}
+
 /// More requests in flight on the first rank than on the second by this many and more: a queue is
 /// forming there now, and a new conversation placed on it waits behind it.
 pub const QUEUE_MARGIN: u32 = 2;

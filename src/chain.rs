@@ -26,6 +26,8 @@ use crate::config_sections::{PrefixConfig, MAX_BLOCK_BYTES, MAX_BLOCK_TOKENS};
 use crate::hash::{fmix64, KeyedHasher};
 
 const LANES: usize = 4;
+/// Separates an opening's hash from a block hash over the same bytes.
+const OPENING_TAG: u64 = 0x6f70_656e_696e_6721;
 /// Bytes absorbed per round: one 8-byte word per lane.
 const STRIPE: usize = 8 * LANES;
 
@@ -95,6 +97,19 @@ fn stripe(lanes: &mut [u64; LANES], s: &[u8; STRIPE]) {
 pub struct Chain {
     hashes: Vec<u64>,
     capped: bool,
+    opening: Option<Opening>,
+}
+
+/// Where a chat's *opening* ends — everything up to and including its first user message — and a
+/// hash of it. Every later turn of the conversation resends those bytes unchanged, so the hash
+/// names the conversation from its first turn on, even while its own part is shorter than a block
+/// or than the next indexed position (see `PrefixIndex::anchor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opening {
+    /// Full blocks of the stream before the opening's end.
+    pub blocks: usize,
+    /// Covers the stream's bytes up to the opening's end (and the model).
+    pub hash: u64,
 }
 
 impl Chain {
@@ -115,6 +130,12 @@ impl Chain {
     /// Whether the prompt reached `max_blocks` (the rest, if any, was not hashed).
     pub fn capped(&self) -> bool {
         self.capped
+    }
+
+    /// The chat's opening, if the prompt is a chat with a user message ending within
+    /// `max_blocks`.
+    pub fn opening(&self) -> Option<Opening> {
+        self.opening
     }
 }
 
@@ -139,6 +160,8 @@ pub(crate) struct ChainBuilder<'h> {
     /// Hash of the previous block (the domain key before the first).
     prev: u64,
     hashes: Vec<u64>,
+    /// Set by [`mark_opening`](Self::mark_opening), once.
+    opening: Option<Opening>,
 }
 
 impl<'h> ChainBuilder<'h> {
@@ -157,6 +180,7 @@ impl<'h> ChainBuilder<'h> {
             ncarry: 0,
             prev: 0,
             hashes: Vec::new(),
+            opening: None,
         }
     }
 
@@ -165,6 +189,35 @@ impl<'h> ChainBuilder<'h> {
         self.domain = None;
         self.unusable = false;
         self.hashes.clear();
+        self.opening = None;
+    }
+
+    /// Notes the end of the chat's opening here (the first call only; none once the chain is
+    /// full). The hash covers every byte fed so far: the previous block's hash, the lanes of the
+    /// current block with its partial stripe zero-padded, and how many bytes of it there are
+    /// (which the padding alone would not tell).
+    pub(crate) fn mark_opening(&mut self) {
+        if self.opening.is_some() || !self.active() {
+            return;
+        }
+        let mut lanes = self.lanes;
+        if self.ncarry > 0 {
+            let mut last = [0u8; STRIPE];
+            if let (Some(dst), Some(src)) =
+                (last.get_mut(..self.ncarry), self.carry.get(..self.ncarry))
+            {
+                dst.copy_from_slice(src);
+            }
+            stripe(&mut lanes, &last);
+        }
+        let mut h = fmix64(self.prev ^ OPENING_TAG ^ self.filled as u64);
+        for lane in lanes {
+            h = fmix64(h ^ lane);
+        }
+        self.opening = Some(Opening {
+            blocks: self.hashes.len(),
+            hash: h,
+        });
     }
 
     pub(crate) fn begin(&mut self, domain: Domain) {
@@ -286,9 +339,14 @@ impl<'h> ChainBuilder<'h> {
             *h = fmix64(*h ^ key);
         }
         let capped = self.hashes.len() >= self.max_blocks;
+        let opening = self.opening.map(|o| Opening {
+            hash: fmix64(o.hash ^ key),
+            ..o
+        });
         Chain {
             hashes: self.hashes,
             capped,
+            opening,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
-    choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin, Mode,
+    choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin, rendezvous_pair, Mode,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -89,6 +89,7 @@ pub fn plan(
     let p = place(cfg, now, pinned, facts.matched.as_ref(), states, || {
         states.and_then(|st| assign(cfg, st, now, facts, blocks))
     });
+    let p = stay_in_the_home_pair(cfg, now, facts, states, p);
     let rank = placed_rank(p.placed);
     let (target, counters) = match (facts.key, rank) {
         (Some(key), Some(rank)) => {
@@ -149,6 +150,41 @@ pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u3
         (Mode::RoundRobin, _) => choose_round_robin(st, now, facts.turn),
         // No key and no anchor in hash mode, and every placement in the others.
         _ => choose_least_inflight(st, now, facts.turn),
+    }
+}
+
+/// A conversation's own history (an unbranched match) on the other of its anchor's two
+/// rendezvous ranks stays there, however short it is. The home is the first of the two unless
+/// the load says the second, and each turn asks again: a turn placed on the second, whose
+/// history is still too short to outweigh the home's bonus, would otherwise go back to the first
+/// as soon as the load evens out, and lose what it had. Both ranks are the conversation's homes
+/// on every replica; only which one is a matter of load. (A spread only happens to a match under
+/// the load bound, so keeping it there keeps the bound.)
+fn stay_in_the_home_pair(
+    cfg: &Config,
+    now: u32,
+    facts: &Facts,
+    states: Option<&RankStates>,
+    p: Placement,
+) -> Placement {
+    let (Some(PrefixChoice::Spread { rank, blocks }), Some(m), Some(st)) =
+        (p.prefix, facts.matched, states)
+    else {
+        return p;
+    };
+    let anchor = facts.key.map(|k| k.hash).or(facts.anchor);
+    match anchor {
+        Some(anchor) if cfg.assign.mode == Mode::Hash && !m.branched => {
+            if rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank)) {
+                let hit = PrefixChoice::Hit { rank, blocks };
+                return Placement {
+                    placed: Placed::Prefix { rank, blocks },
+                    prefix: Some(hit),
+                };
+            }
+            p
+        }
+        _ => p,
     }
 }
 
@@ -927,6 +963,35 @@ mod tests {
                 },
             ],
         );
+    }
+
+    #[test]
+    fn a_short_own_history_stays_on_either_rank_of_its_home_pair() {
+        let c = cfg(r#","assign":{"mode":"hash","min_capacity":8}"#);
+        let idle = states(&[(0, 0); 4]);
+        let anchor = 77;
+        let [Some(first), Some(second)] = rendezvous_pair(&idle, 0, c.assign.seed, anchor) else {
+            panic!("four usable ranks have a pair");
+        };
+        let outside = (0..4).find(|r| ![first, second].contains(r)).unwrap_or(0);
+        let at = |m: Match| {
+            let facts = Facts {
+                matched: Some(m),
+                anchor: Some(anchor),
+                ..Facts::default()
+            };
+            plan(&c, 0, &facts, Some(&idle), 10).target
+        };
+        // 8 blocks of its own history do not outweigh the home's bonus (8): on the second of
+        // the pair they stay (the load chose it on an earlier turn)...
+        assert_eq!(at(matched(8, second)), Target::Direct { rank: second });
+        // ...elsewhere, and for a shared prefix on the second, the request goes home.
+        assert_eq!(at(matched(8, outside)), Target::Direct { rank: first });
+        let shared_there = Match {
+            branched: true,
+            ..matched(8, second)
+        };
+        assert_eq!(at(shared_there), Target::Direct { rank: first });
     }
 
     #[test]

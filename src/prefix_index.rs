@@ -77,6 +77,7 @@
 
 use std::cell::Cell;
 
+use crate::chain::Opening;
 use crate::config_sections::PrefixConfig;
 use crate::table::{
     holder_flag, AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED,
@@ -241,15 +242,33 @@ impl PrefixIndex {
     /// the prompt's own part, which every later turn of the conversation repeats. With an
     /// unbranched match or none, the first position past the match stands in for it (the index
     /// does not know yet what is shared). `None`: an empty chain.
-    pub fn anchor(&self, chain: &[u64], matched: &Match) -> Option<u64> {
+    ///
+    /// A chat's opening (its messages through the first user message, see [`Opening`]) names
+    /// the conversation better: it is the same on every turn, while the chain at that position
+    /// may cover bytes of later turns, or not be reached yet and end wherever this turn's prompt
+    /// ends, so that every turn of a conversation with a short own part would get a home of its
+    /// own and move. It is the anchor unless it lies inside a shared (branched) match, or ends
+    /// more than two indexed positions past the match: a long opening (a single message that
+    /// holds a whole history, as a trace replayer may send) is a new one on every turn, where
+    /// the chain past the shared part is the stable name. Two positions, because a first turn
+    /// ending between them records the first, and its next turn, matching that record, must
+    /// still choose the opening; the window only grows as a conversation's own match deepens.
+    /// Without any match the opening is the anchor too (the chain's first block would name the
+    /// system prompt, not the conversation).
+    pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
         let last = chain.len().checked_sub(1)?;
-        let next = self
-            .grid
-            .iter()
-            .map(|&p| p as usize)
-            .find(|&p| p > matched.blocks)
-            .unwrap_or(chain.len());
-        chain.get(next.min(last + 1) - 1).copied()
+        let after = |p: usize| self.grid.iter().map(|&q| q as usize).find(|&q| q > p);
+        let next = after(matched.blocks).unwrap_or(chain.len());
+        let reach = after(next).unwrap_or(usize::MAX);
+        match opening {
+            Some(o)
+                if !(matched.branched && o.blocks < matched.blocks)
+                    && (matched.blocks == 0 || o.blocks <= reach) =>
+            {
+                Some(o.hash)
+            }
+            _ => chain.get(next.min(last + 1) - 1).copied(),
+        }
     }
 
     /// How many positions [`record`](Self::record) would write.
@@ -531,6 +550,10 @@ mod tests {
         assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
     }
 
+    fn chained(hash: u64) -> Option<u64> {
+        Some(hash)
+    }
+
     #[test]
     fn the_anchor_is_the_first_position_past_the_shared_part() {
         let idx = PrefixIndex::new(&index_cfg(64, 16));
@@ -546,15 +569,62 @@ mod tests {
         };
         // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
         // include the prompt's own sixth block, differs between the two conversations...
-        assert_eq!(idx.anchor(&a, &shared), Some(a[5]));
-        assert_ne!(idx.anchor(&a, &shared), idx.anchor(&b, &shared));
+        assert_eq!(idx.anchor(&a, None, &shared), chained(a[5]));
+        assert_ne!(idx.anchor(&a, None, &shared), idx.anchor(&b, None, &shared));
         // ...and stays the same for a later turn of the same conversation.
         let a_next = random_chain(2, 60, &a, 40);
-        assert_eq!(idx.anchor(&a_next, &shared), idx.anchor(&a, &shared));
+        assert_eq!(
+            idx.anchor(&a_next, None, &shared),
+            idx.anchor(&a, None, &shared)
+        );
         // A chain shorter than the next position: its last block. Empty: none.
-        assert_eq!(idx.anchor(&a[..5], &shared), Some(a[4]));
-        assert_eq!(idx.anchor(&[], &shared), None);
-        assert_eq!(idx.anchor(&a, &Match::default()), Some(a[0]));
+        assert_eq!(idx.anchor(&a[..5], None, &shared), chained(a[4]));
+        assert_eq!(idx.anchor(&[], None, &shared), None);
+        assert_eq!(idx.anchor(&a, None, &Match::default()), chained(a[0]));
+    }
+
+    #[test]
+    fn a_chat_opening_anchors_the_conversation_unless_shared_or_long() {
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        let system = random_chain(1, 5, &[], 0);
+        let a = random_chain(2, 40, &system, 5);
+        let shared = Match {
+            blocks: 4,
+            rank: Some(0),
+            branched: true,
+            ..Match::default()
+        };
+        let opening = |blocks| Some(Opening { blocks, hash: 77 });
+        let opened = Some(77);
+        // Past the shared part (4), the grid goes on 6, 8, 12: an opening ending before the
+        // second position past the match (8) names the conversation, however long this turn is.
+        for blocks in [4, 5, 6, 7, 8] {
+            assert_eq!(idx.anchor(&a, opening(blocks), &shared), opened, "{blocks}");
+        }
+        assert_eq!(idx.anchor(&a[..5], opening(5), &shared), opened);
+        // The next turn of a first turn of 8 blocks matches its own record at 8, unbranched:
+        // still the opening (the window grows with the match: 8 -> 12 -> 16).
+        let own = |blocks| Match {
+            blocks,
+            rank: Some(1),
+            ..Match::default()
+        };
+        assert_eq!(idx.anchor(&a, opening(8), &own(8)), opened);
+        assert_eq!(idx.anchor(&a, opening(8), &own(24)), opened);
+        // Ending further on (a long single message), the chain at the first position past the
+        // shared part names it, as without an opening...
+        assert_eq!(idx.anchor(&a, opening(9), &shared), chained(a[5]));
+        assert_eq!(idx.anchor(&a, opening(30), &shared), chained(a[5]));
+        // ...and ending inside the shared part it would name the shared part: not used.
+        let longer_shared = Match {
+            blocks: 8,
+            ..shared
+        };
+        assert_eq!(idx.anchor(&a, opening(6), &longer_shared), chained(a[11]));
+        // Without a match, the opening (the chain's first block names only the system prompt).
+        assert_eq!(idx.anchor(&a, opening(30), &Match::default()), opened);
+        // No chain, no anchor (a prompt under one block is not placed by its prefix).
+        assert_eq!(idx.anchor(&[], opening(0), &Match::default()), None);
     }
 
     #[test]

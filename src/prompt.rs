@@ -318,6 +318,9 @@ fn walk_message(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sca
         }
     }
     c.feed(&[SEP]);
+    if role.is_some_and(|span| bytes(s.b, span) == b"user") {
+        c.mark_opening();
+    }
     Ok(())
 }
 
@@ -665,6 +668,64 @@ mod tests {
         );
         assert_eq!(chain(body, Api::Chat, &c).len(), stream.len() / 16);
         check_against_reference(body, Api::Chat, &c);
+    }
+
+    fn opening(body: &str, api: Api, c: &PrefixConfig) -> Option<crate::chain::Opening> {
+        prompt_chain(body.as_bytes(), api, c, &hasher())
+            .unwrap_or_else(|e| panic!("{e:?} on {body}"))
+            .opening()
+    }
+
+    #[test]
+    fn a_chats_opening_is_the_same_on_every_turn_and_names_the_conversation() {
+        let c = cfg(16, 4, 64);
+        let turn1 = r#"{"model":"m","messages":[{"role":"system","content":"You are terse."},
+            {"role":"user","content":"Plan a trip to Lisbon, please"}]}"#;
+        let turn2 = r#"{"model":"m","messages":[{"role":"system","content":"You are terse."},
+            {"role":"user","content":"Plan a trip to Lisbon, please"},{"role":"assistant","content":"Day 1: Alfama."},
+            {"role":"user","content":"And day 2?"}]}"#;
+        let reordered = r#"{"messages":[{"content":"You are terse.","role":"system"},
+            {"content":"Plan a trip to Lisbon, please","role":"user"}],"model":"m"}"#;
+        let other = r#"{"model":"m","messages":[{"role":"system","content":"You are terse."},
+            {"role":"user","content":"Plan a trip to Lisbon, pleaze"}]}"#;
+        let other_model = turn1.replace(r#""model":"m""#, r#""model":"n""#);
+        let first = opening(turn1, Api::Chat, &c).expect("a chat with a user message has one");
+        // The stream through the first user message: 22 + 35 bytes = 3 full blocks and 9 bytes.
+        assert_eq!(first.blocks, 3);
+        assert_eq!(opening(turn2, Api::Chat, &c), Some(first));
+        assert_eq!(opening(reordered, Api::Chat, &c), Some(first));
+        // One byte of the user message, or the model, changes it; the chain's blocks did not
+        // see that byte yet (it is in the partial fourth block).
+        assert_ne!(
+            opening(other, Api::Chat, &c).map(|o| o.hash),
+            Some(first.hash)
+        );
+        assert_eq!(chain(other, Api::Chat, &c), chain(turn1, Api::Chat, &c));
+        assert_ne!(
+            opening(&other_model, Api::Chat, &c).map(|o| o.hash),
+            Some(first.hash)
+        );
+        // An opening never equals a block hash over the same bytes.
+        let aligned = r#"{"messages":[{"role":"user","content":"0123456789"}]}"#; // 16 bytes
+        let o = opening(aligned, Api::Chat, &c).expect("opening");
+        assert_eq!((o.blocks, chain(aligned, Api::Chat, &c).len()), (1, 1));
+        assert_ne!(Some(o.hash), chain(aligned, Api::Chat, &c).first().copied());
+    }
+
+    #[test]
+    fn no_opening_without_a_user_message_within_the_chain() {
+        let c = cfg(16, 4, 2);
+        let system_only = r#"{"messages":[{"role":"system","content":"You are terse and kind."}]}"#;
+        assert_eq!(opening(system_only, Api::Chat, &c), None);
+        // The user message ends past max_blocks (2 blocks of 16 bytes).
+        let late = r#"{"messages":[{"role":"system","content":"a long system prompt, longer than two blocks"},
+            {"role":"user","content":"hi"}]}"#;
+        assert_eq!(opening(late, Api::Chat, &c), None);
+        let text = r#"{"prompt":"user\"Plan a trip to Lisbon\""}"#;
+        assert_eq!(opening(text, Api::Completions, &c), None);
+        // A later copy of the prompt member replaces the first, opening included.
+        let twice = r#"{"messages":[{"role":"user","content":"first"}],"messages":[{"role":"system","content":"s"}]}"#;
+        assert_eq!(opening(twice, Api::Chat, &c), None);
     }
 
     #[test]

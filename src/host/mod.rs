@@ -965,6 +965,10 @@ impl Filter {
         let Some(plan) = plan else {
             return;
         };
+        debug!(
+            "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks)",
+            self.id, plan.target, plan.prefix, facts.anchor
+        );
         rt.counters.add_prefix_choice(plan.prefix);
         for counter in plan.counters.into_iter().flatten() {
             rt.counters.add(counter, 1);
@@ -1030,7 +1034,7 @@ impl Filter {
     fn prefix_anchor(&self) -> Option<u64> {
         let idx = self.rt.prefix.as_ref()?;
         let state = self.prefix.as_ref()?;
-        idx.anchor(state.chain.hashes(), &state.matched)
+        idx.anchor(state.chain.hashes(), state.chain.opening(), &state.matched)
     }
 
     /// Records this request's chain under the rank that serves it (once), writing only the
