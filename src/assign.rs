@@ -105,20 +105,9 @@ pub fn choose_hash_of_two(
 ) -> Option<u32> {
     let (total, usable) = states.usable_load(now);
     let cap = bound.capacity(total, usable);
-    let mut two: [Option<(u64, u32)>; 2] = [None, None]; // highest weights first
-    for rank in 0..states.ranks.len() as u32 {
-        if !states.usable(rank, now) || u64::from(states.inflight(rank)) >= cap {
-            continue;
-        }
-        let w = weight(seed, key, rank);
-        if two[0].is_none_or(|(tw, _)| w > tw) {
-            two = [Some((w, rank)), two[0]];
-        } else if two[1].is_none_or(|(sw, _)| w > sw) {
-            two[1] = Some((w, rank));
-        }
-    }
-    match two {
-        [Some((_, first)), Some((_, second))] => Some(
+    let not_full = |rank| states.usable(rank, now) && u64::from(states.inflight(rank)) < cap;
+    match top_two(states, seed, key, not_full) {
+        [Some(first), Some(second)] => Some(
             if clearly_less_work(states.recent(first), states.recent(second), blocks)
                 || queue_forming(states.inflight(first), states.inflight(second))
             {
@@ -134,8 +123,18 @@ pub fn choose_hash_of_two(
 /// The two highest-weighted usable ranks of `key`, whatever their load: the ranks
 /// [`choose_hash_of_two`] chooses between when neither is full.
 pub fn rendezvous_pair(states: &RankStates, now: u32, seed: u64, key: u64) -> [Option<u32>; 2] {
+    top_two(states, seed, key, |rank| states.usable(rank, now))
+}
+
+/// The two highest-weighted ranks of `key` among those `eligible` says yes to, highest first.
+fn top_two(
+    states: &RankStates,
+    seed: u64,
+    key: u64,
+    eligible: impl Fn(u32) -> bool,
+) -> [Option<u32>; 2] {
     let mut two: [Option<(u64, u32)>; 2] = [None, None];
-    for rank in (0..states.ranks.len() as u32).filter(|&r| states.usable(r, now)) {
+    for rank in (0..states.ranks.len() as u32).filter(|&r| eligible(r)) {
         let w = weight(seed, key, rank);
         if two[0].is_none_or(|(tw, _)| w > tw) {
             two = [Some((w, rank)), two[0]];
