@@ -154,12 +154,14 @@ pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u3
 }
 
 /// A conversation's own history (an unbranched match) on the other of its anchor's two
-/// rendezvous ranks stays there, however short it is. The home is the first of the two unless
-/// the load says the second, and each turn asks again: a turn placed on the second, whose
-/// history is still too short to outweigh the home's bonus, would otherwise go back to the first
-/// as soon as the load evens out, and lose what it had. Both ranks are the conversation's homes
-/// on every replica; only which one is a matter of load. (A spread only happens to a match under
-/// the load bound, so keeping it there keeps the bound.)
+/// rendezvous ranks is weighed without the home's bonus: both ranks are the conversation's homes
+/// on every replica, and which one was a matter of load when an earlier turn was placed. The
+/// home is the first of the two unless the load says the second, and each turn asks again: a
+/// turn placed on the second, whose history is still too short to outweigh the bonus, would
+/// otherwise go back to the first as soon as the load evens out, and lose what it had. The load
+/// term stays: the history is kept only while it saves more than the extra work queued there
+/// costs (`saved > prefix.load_blocks × max(0, in flight there − at home)`). (A spread only
+/// happens to a match under the load bound, so keeping it there keeps the bound.)
 fn stay_in_the_home_pair(
     cfg: &Config,
     now: u32,
@@ -173,19 +175,21 @@ fn stay_in_the_home_pair(
         return p;
     };
     let anchor = facts.key.map(|k| k.hash).or(facts.anchor);
-    match anchor {
-        Some(anchor) if cfg.assign.mode == Mode::Hash && !m.branched => {
-            if rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank)) {
-                let hit = PrefixChoice::Hit { rank, blocks };
-                return Placement {
-                    placed: Placed::Prefix { rank, blocks },
-                    prefix: Some(hit),
-                };
-            }
-            p
-        }
-        _ => p,
+    let Some(anchor) = anchor.filter(|_| cfg.assign.mode == Mode::Hash && !m.branched) else {
+        return p;
+    };
+    let Placed::Assigned(Some(home)) = p.placed else {
+        return p;
+    };
+    let queued = st.inflight(rank).saturating_sub(st.inflight(home));
+    let worth_it = blocks as u64 > u64::from(cfg.prefix.load_blocks) * u64::from(queued);
+    if worth_it && rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank)) {
+        return Placement {
+            placed: Placed::Prefix { rank, blocks },
+            prefix: Some(PrefixChoice::Hit { rank, blocks }),
+        };
     }
+    p
 }
 
 /// What the prefix stage made of a request the explicit rank and the key's pin left open.
@@ -992,6 +996,25 @@ mod tests {
             ..matched(8, second)
         };
         assert_eq!(at(shared_there), Target::Direct { rank: first });
+        // The load still counts: 4 more in flight on the second than at home cost 2 × 4 = 8
+        // blocks, as much as the history saves, so the request goes home.
+        let mut loads = vec![(0, 0); 4];
+        loads[second as usize] = (4, 0);
+        let busy = states(&loads);
+        let facts = Facts {
+            matched: Some(matched(8, second)),
+            anchor: Some(anchor),
+            ..Facts::default()
+        };
+        assert_eq!(
+            plan(&c, 0, &facts, Some(&busy), 10).target,
+            Target::Direct { rank: first }
+        );
+        loads[second as usize] = (3, 0);
+        assert_eq!(
+            plan(&c, 0, &facts, Some(&states(&loads)), 10).target,
+            Target::Direct { rank: second }
+        );
     }
 
     #[test]

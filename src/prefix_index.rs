@@ -105,6 +105,12 @@ pub struct Match {
     pub refreshes: u32,
 }
 
+/// An opening of at most this many full blocks (8 KiB with the default 512-byte blocks) is short
+/// enough to anchor its conversation wherever the match ends (see [`PrefixIndex::anchor`]): its
+/// conversation's own history on the next turn is too short to outweigh the home's bonus, so
+/// the anchor must not change between the first and the next turn.
+pub const SHORT_OPENING_BLOCKS: usize = 16;
+
 /// The prefix index over a store. Cheap to build once per configuration.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
@@ -247,23 +253,28 @@ impl PrefixIndex {
     /// the conversation better: it is the same on every turn, while the chain at that position
     /// may cover bytes of later turns, or not be reached yet and end wherever this turn's prompt
     /// ends, so that every turn of a conversation with a short own part would get a home of its
-    /// own and move. It is the anchor unless it lies inside a shared (branched) match, or ends
-    /// more than two indexed positions past the match: a long opening (a single message that
-    /// holds a whole history, as a trace replayer may send) is a new one on every turn, where
-    /// the chain past the shared part is the stable name. Two positions, because a first turn
-    /// ending between them records the first, and its next turn, matching that record, must
-    /// still choose the opening; the window only grows as a conversation's own match deepens.
-    /// Without any match the opening is the anchor too (the chain's first block would name the
-    /// system prompt, not the conversation).
+    /// own and move. It is the anchor unless it lies inside a shared (branched) match, or is
+    /// long: more than [`SHORT_OPENING_BLOCKS`] and more than two indexed positions past the
+    /// match. A long opening may be a single message holding a whole history (as a trace
+    /// replayer may send), a new one on every turn, where the chain past the shared part is the
+    /// stable name — and one long enough to be indexed past its match gives the next turn an own
+    /// history that outweighs the home's bonus, so its anchor matters little there. Two
+    /// positions, because a first turn ending between them records the first, and its next turn,
+    /// matching that record, must still choose the opening. Without any match the opening is the
+    /// anchor too (the chain's first block would name the system prompt, not the conversation).
+    ///
+    /// Conversations opening with the same messages (a fixed greeting after the same system
+    /// prompt) share the anchor, hence its two home ranks, until the load bound spills them.
     pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
         let last = chain.len().checked_sub(1)?;
         let after = |p: usize| self.grid.iter().map(|&q| q as usize).find(|&q| q > p);
         let next = after(matched.blocks).unwrap_or(chain.len());
         let reach = after(next).unwrap_or(usize::MAX);
+        let short = |o: Opening| o.blocks <= SHORT_OPENING_BLOCKS || o.blocks <= reach;
         match opening {
             Some(o)
                 if !(matched.branched && o.blocks < matched.blocks)
-                    && (matched.blocks == 0 || o.blocks <= reach) =>
+                    && (matched.blocks == 0 || short(o)) =>
             {
                 Some(o.hash)
             }
@@ -550,10 +561,6 @@ mod tests {
         assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
     }
 
-    fn chained(hash: u64) -> Option<u64> {
-        Some(hash)
-    }
-
     #[test]
     fn the_anchor_is_the_first_position_past_the_shared_part() {
         let idx = PrefixIndex::new(&index_cfg(64, 16));
@@ -569,7 +576,7 @@ mod tests {
         };
         // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
         // include the prompt's own sixth block, differs between the two conversations...
-        assert_eq!(idx.anchor(&a, None, &shared), chained(a[5]));
+        assert_eq!(idx.anchor(&a, None, &shared), Some(a[5]));
         assert_ne!(idx.anchor(&a, None, &shared), idx.anchor(&b, None, &shared));
         // ...and stays the same for a later turn of the same conversation.
         let a_next = random_chain(2, 60, &a, 40);
@@ -578,9 +585,9 @@ mod tests {
             idx.anchor(&a, None, &shared)
         );
         // A chain shorter than the next position: its last block. Empty: none.
-        assert_eq!(idx.anchor(&a[..5], None, &shared), chained(a[4]));
+        assert_eq!(idx.anchor(&a[..5], None, &shared), Some(a[4]));
         assert_eq!(idx.anchor(&[], None, &shared), None);
-        assert_eq!(idx.anchor(&a, None, &Match::default()), chained(a[0]));
+        assert_eq!(idx.anchor(&a, None, &Match::default()), Some(a[0]));
     }
 
     #[test]
@@ -611,16 +618,21 @@ mod tests {
         };
         assert_eq!(idx.anchor(&a, opening(8), &own(8)), opened);
         assert_eq!(idx.anchor(&a, opening(8), &own(24)), opened);
-        // Ending further on (a long single message), the chain at the first position past the
-        // shared part names it, as without an opening...
-        assert_eq!(idx.anchor(&a, opening(9), &shared), chained(a[5]));
-        assert_eq!(idx.anchor(&a, opening(30), &shared), chained(a[5]));
+        // Past that window but short (at most 16 blocks): still the opening, so that a first
+        // turn (matching only the shared part) and its next turn (matching its own record at
+        // 8 or 12) agree.
+        assert_eq!(idx.anchor(&a, opening(16), &shared), opened);
+        assert_eq!(idx.anchor(&a, opening(16), &own(12)), opened);
+        // Long and past the window (a long single message), the chain at the first position
+        // past the shared part names it, as without an opening...
+        assert_eq!(idx.anchor(&a, opening(17), &shared), Some(a[5]));
+        assert_eq!(idx.anchor(&a, opening(30), &shared), Some(a[5]));
         // ...and ending inside the shared part it would name the shared part: not used.
         let longer_shared = Match {
             blocks: 8,
             ..shared
         };
-        assert_eq!(idx.anchor(&a, opening(6), &longer_shared), chained(a[11]));
+        assert_eq!(idx.anchor(&a, opening(6), &longer_shared), Some(a[11]));
         // Without a match, the opening (the chain's first block names only the system prompt).
         assert_eq!(idx.anchor(&a, opening(30), &Match::default()), opened);
         // No chain, no anchor (a prompt under one block is not placed by its prefix).

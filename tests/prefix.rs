@@ -278,56 +278,63 @@ fn shared_prefix_spreads_while_conversations_stay() {
     counters.assert_zero(&["prefix_skipped_full"]);
 }
 
-/// Conversations of short turns (a 4 KB system prompt many share, user and assistant messages
-/// of a few hundred bytes) keep one rank on every turn with the defaults, while none of their
-/// own part reaches the next indexed position: each is anchored by its opening (system prompt
-/// and first user message, resent unchanged), not by wherever this turn's prompt ends.
+/// Conversations of short turns keep one rank on every turn with the defaults, while none of
+/// their own part reaches the next indexed position: each is anchored by its opening (system
+/// prompt and first user message, resent unchanged), not by wherever this turn's prompt ends.
+/// Two shapes: a 4 KB system prompt many share with 0.5 KB questions, and a 1 KB one with a
+/// 2.5 KB first question (an opening further past the shared part than the next two indexed
+/// positions, which the first turn and the next must still agree on).
 #[test]
 fn conversations_of_short_turns_keep_their_rank() {
     const CONVERSATIONS: usize = 16;
     const TURNS: usize = 6;
-    let stack = Stack::start(
-        "prefix_short_turns",
-        StackOptions::new(support::requests::default_config(json!({}))),
-    );
-    let mut system = String::from("You are the support assistant of a bookshop. ");
-    while system.len() < 4000 {
-        system.push_str("Answer briefly, check the order number, never promise dates. ");
-    }
-    system.truncate(4000);
-    let mut histories: Vec<Vec<Value>> = (0..CONVERSATIONS)
-        .map(|_| vec![json!({ "role": "system", "content": system })])
-        .collect();
-    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
-    // Turn by turn across the conversations, as concurrent users would interleave them.
-    for turn in 0..TURNS {
-        for (c, history) in histories.iter_mut().enumerate() {
-            let question = format!("Customer {c}, question {turn}: where is my order {c}-{turn}? ");
-            history.push(json!({ "role": "user", "content": question.repeat(5) }));
-            let request = Request::post("/v1/chat/completions")
-                .json(&json!({ "model": "mock", "messages": history }));
-            ranks[c].push(served_rank(&stack.send(&request)));
-            let answer = format!("Order {c}-{turn} ships soon. ").repeat(6);
-            history.push(json!({ "role": "assistant", "content": answer }));
+    for (system_bytes, first_repeat) in [(4000, 5), (1000, 25)] {
+        let stack = Stack::start(
+            &format!("prefix_short_turns_{system_bytes}"),
+            StackOptions::new(support::requests::default_config(json!({}))),
+        );
+        let mut system = String::from("You are the support assistant of a bookshop. ");
+        while system.len() < system_bytes {
+            system.push_str("Answer briefly, check the order number, never promise dates. ");
         }
+        system.truncate(system_bytes);
+        let mut histories: Vec<Vec<Value>> = (0..CONVERSATIONS)
+            .map(|_| vec![json!({ "role": "system", "content": system })])
+            .collect();
+        let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+        // Turn by turn across the conversations, as concurrent users would interleave them.
+        for turn in 0..TURNS {
+            for (c, history) in histories.iter_mut().enumerate() {
+                let question =
+                    format!("Customer {c}, question {turn}: where is order {c}-{turn}? ");
+                let repeat = if turn == 0 { first_repeat } else { 5 };
+                history.push(json!({ "role": "user", "content": question.repeat(repeat) }));
+                let request = Request::post("/v1/chat/completions")
+                    .json(&json!({ "model": "mock", "messages": history }));
+                ranks[c].push(served_rank(&stack.send(&request)));
+                let answer = format!("Order {c}-{turn} ships soon. ").repeat(6);
+                history.push(json!({ "role": "assistant", "content": answer }));
+            }
+        }
+        let moved: Vec<&Vec<u32>> = ranks
+            .iter()
+            .filter(|r| r.iter().any(|&x| x != r[0]))
+            .collect();
+        let homes = per_rank(ranks.iter().map(|r| r[0]));
+        println!(
+            "{system_bytes} B system prompt, {CONVERSATIONS} conversations x {TURNS} short turns: \
+             first turns per rank {homes:?}, {} moved: {moved:?}",
+            moved.len()
+        );
+        assert!(
+            moved.is_empty(),
+            "conversations moved between turns: {moved:?}"
+        );
+        assert!(
+            homes.iter().filter(|n| **n > 0).count() >= 3,
+            "conversations not spread over the ranks: {homes:?}"
+        );
     }
-    let moved: Vec<&Vec<u32>> = ranks
-        .iter()
-        .filter(|r| r.iter().any(|&x| x != r[0]))
-        .collect();
-    let homes = per_rank(ranks.iter().map(|r| r[0]));
-    println!(
-        "{CONVERSATIONS} conversations x {TURNS} short turns: first turns per rank {homes:?}, {} moved: {moved:?}",
-        moved.len()
-    );
-    assert!(
-        moved.is_empty(),
-        "conversations moved between turns: {moved:?}"
-    );
-    assert!(
-        homes.iter().filter(|n| **n > 0).count() >= 3,
-        "conversations not spread over the ranks: {homes:?}"
-    );
 }
 
 // ---------------------------------------------------------------- (d)
