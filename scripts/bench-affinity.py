@@ -18,7 +18,8 @@ Suites:
   keyed   every request carries its session's routing key (header): 4 ranks, 8 ranks, 4 ranks
           behind 2 Envoy replicas, 4 ranks with small caches
   prefix  no routing key at all: the filter's prompt-prefix index vs session keys vs round robin,
-          on the synthetic chat workload (4 and 8 ranks) and on a block-id trace (4 ranks)
+          on the synthetic chat workload (4 and 8 ranks, and 4 ranks behind 2 Envoy replicas)
+          and on a block-id trace (4 ranks)
   kv      the shape of public multi-turn KV-cache traces (one shared 2 KiB system prompt, long
           one- and two-turn sessions, a few long conversations, shared documents), with and
           without session keys, at 4 and 8 ranks and behind 2 Envoy replicas (not in `all`);
@@ -277,6 +278,10 @@ def configurations(suite, quick, trace):
             out += [
                 cfg("no routing key, 4 ranks", 4, PREFIX_ALL, prefix_goal),
                 cfg("no routing key, 8 ranks", 8, PREFIX_SHORT, prefix_goal),
+                # Chat conversations reach either replica at random: a conversation's anchor must
+                # be the same on both (see README, "Prefix placement").
+                cfg("no routing key, 4 ranks, 2 Envoy replicas", 4, ["filter-prefix", "envoy-rr"],
+                    prefix_goal, replicas=2),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]
     # Not part of "all" (make bench stays under 10 minutes): `--suite kv`, ~15 minutes.
