@@ -561,19 +561,25 @@ mod tests {
         assert_eq!(idx.longest_match(&s, &a, 1180, 8).rank, None);
     }
 
-    #[test]
-    fn the_anchor_is_the_first_position_past_the_shared_part() {
+    /// An index, a 5-block system prompt and a 40-block conversation `a` opening with it, and
+    /// the match such a prompt gets: the system prompt indexed down to grid position 4, branched.
+    fn anchor_fixture() -> (PrefixIndex, Vec<u64>, Vec<u64>, Match) {
         let idx = PrefixIndex::new(&index_cfg(64, 16));
         let system = random_chain(1, 5, &[], 0);
         let a = random_chain(2, 40, &system, 5);
-        let b = random_chain(3, 40, &system, 5);
-        // The system prompt (5 blocks) is indexed down to grid position 4, branched.
         let shared = Match {
             blocks: 4,
             rank: Some(0),
             branched: true,
             ..Match::default()
         };
+        (idx, system, a, shared)
+    }
+
+    #[test]
+    fn the_anchor_is_the_first_position_past_the_shared_part() {
+        let (idx, system, a, shared) = anchor_fixture();
+        let b = random_chain(3, 40, &system, 5);
         // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
         // include the prompt's own sixth block, differs between the two conversations...
         assert_eq!(idx.anchor(&a, None, &shared), Some(a[5]));
@@ -592,15 +598,7 @@ mod tests {
 
     #[test]
     fn a_chat_opening_anchors_the_conversation_unless_shared_or_long() {
-        let idx = PrefixIndex::new(&index_cfg(64, 16));
-        let system = random_chain(1, 5, &[], 0);
-        let a = random_chain(2, 40, &system, 5);
-        let shared = Match {
-            blocks: 4,
-            rank: Some(0),
-            branched: true,
-            ..Match::default()
-        };
+        let (idx, _, a, shared) = anchor_fixture();
         let opening = |blocks| Some(Opening { blocks, hash: 77 });
         let opened = Some(77);
         // Past the shared part (4), the grid goes on 6, 8, 12: an opening ending before the
