@@ -105,11 +105,11 @@ pub struct Match {
     pub refreshes: u32,
 }
 
-/// An opening of at most this many full blocks (8 KiB with the default 512-byte blocks) is short
-/// enough to anchor its conversation wherever the match ends (see [`PrefixIndex::anchor`]): its
-/// conversation's own history on the next turn is too short to outweigh the home's bonus, so
-/// the anchor must not change between the first and the next turn.
-pub const SHORT_OPENING_BLOCKS: usize = 16;
+/// An opening of at most this many bytes of full blocks (16 blocks of the default 512 bytes) is
+/// short enough to anchor its conversation wherever the match ends (see
+/// [`PrefixIndex::anchor`]): its conversation's own history on the next turn is too short to
+/// outweigh the home's bonus, so the anchor must not change between the first and the next turn.
+pub const SHORT_OPENING_BYTES: usize = 8 * 1024;
 
 /// The prefix index over a store. Cheap to build once per configuration.
 #[derive(Debug, Clone)]
@@ -117,6 +117,8 @@ pub struct PrefixIndex {
     table: AffinityTable,
     /// Indexed positions (block counts), ascending.
     grid: Vec<u32>,
+    /// [`SHORT_OPENING_BYTES`] in full blocks of `prefix.block_bytes` (at least 1).
+    short_opening_blocks: usize,
 }
 
 impl PrefixIndex {
@@ -130,6 +132,7 @@ impl PrefixIndex {
         PrefixIndex {
             table: AffinityTable::new(cfg.table.clone()),
             grid,
+            short_opening_blocks: (SHORT_OPENING_BYTES / cfg.block_bytes.max(1) as usize).max(1),
         }
     }
 
@@ -254,7 +257,7 @@ impl PrefixIndex {
     /// may cover bytes of later turns, or not be reached yet and end wherever this turn's prompt
     /// ends, so that every turn of a conversation with a short own part would get a home of its
     /// own and move. It is the anchor unless it lies inside a shared (branched) match, or is
-    /// long: more than [`SHORT_OPENING_BLOCKS`] and more than two indexed positions past the
+    /// long: more than [`SHORT_OPENING_BYTES`] and more than two indexed positions past the
     /// match. A long opening may be a single message holding a whole history (as a trace
     /// replayer may send), a new one on every turn, where the chain past the shared part is the
     /// stable name — and one long enough to be indexed past its match gives the next turn an own
@@ -270,7 +273,7 @@ impl PrefixIndex {
         let after = |p: usize| self.grid.iter().map(|&q| q as usize).find(|&q| q > p);
         let next = after(matched.blocks).unwrap_or(chain.len());
         let reach = after(next).unwrap_or(usize::MAX);
-        let short = |o: Opening| o.blocks <= SHORT_OPENING_BLOCKS || o.blocks <= reach;
+        let short = |o: Opening| o.blocks <= self.short_opening_blocks || o.blocks <= reach;
         match opening {
             Some(o)
                 if !(matched.branched && o.blocks < matched.blocks)
@@ -625,6 +628,15 @@ mod tests {
         // past the shared part names it, as without an opening...
         assert_eq!(idx.anchor(&a, opening(17), &shared), Some(a[5]));
         assert_eq!(idx.anchor(&a, opening(30), &shared), Some(a[5]));
+        // "Short" is 8 KiB of blocks: 8 blocks of 1 KiB (and 32 of 256 bytes).
+        let sized = |block_bytes| {
+            let mut c = index_cfg(64, 16);
+            c.block_bytes = block_bytes;
+            PrefixIndex::new(&c)
+        };
+        assert_eq!(sized(1024).anchor(&a, opening(9), &shared), Some(a[5]));
+        assert_eq!(sized(1024).anchor(&a, opening(8), &shared), opened);
+        assert_eq!(sized(256).anchor(&a, opening(32), &shared), opened);
         // ...and ending inside the shared part it would name the shared part: not used.
         let longer_shared = Match {
             blocks: 8,

@@ -967,7 +967,10 @@ impl Filter {
         };
         debug!(
             "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks)",
-            self.id, plan.target, plan.prefix, facts.anchor
+            self.id,
+            plan.target,
+            plan.prefix,
+            key.map(|k| k.hash).or(facts.anchor)
         );
         rt.counters.add_prefix_choice(plan.prefix);
         for counter in plan.counters.into_iter().flatten() {
