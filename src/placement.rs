@@ -86,10 +86,16 @@ pub fn plan(
     blocks: u32,
 ) -> Plan {
     let pinned = facts.key.and_then(|k| k.pinned);
-    let p = place(cfg, now, pinned, facts.matched.as_ref(), states, || {
-        states.and_then(|st| assign(cfg, st, now, facts, blocks))
-    });
-    let p = stay_in_the_home_pair(cfg, now, facts, states, p);
+    let anchor = facts.key.map(|k| k.hash).or(facts.anchor);
+    let p = place(
+        cfg,
+        now,
+        pinned,
+        facts.matched.as_ref(),
+        states,
+        anchor,
+        || states.and_then(|st| assign(cfg, st, now, facts, blocks)),
+    );
     let rank = placed_rank(p.placed);
     let (target, counters) = match (facts.key, rank) {
         (Some(key), Some(rank)) => {
@@ -153,45 +159,6 @@ pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u3
     }
 }
 
-/// A conversation's own history (an unbranched match) on the other of its anchor's two
-/// rendezvous ranks is weighed without the home's bonus: both ranks are the conversation's homes
-/// on every replica, and which one was a matter of load when an earlier turn was placed. The
-/// home is the first of the two unless the load says the second, and each turn asks again: a
-/// turn placed on the second, whose history is still too short to outweigh the bonus, would
-/// otherwise go back to the first as soon as the load evens out, and lose what it had. The load
-/// term stays: the history is kept only while it saves more than the extra work queued there
-/// costs (`saved > prefix.load_blocks × max(0, in flight there − at home)`). (A spread only
-/// happens to a match under the load bound, so keeping it there keeps the bound.)
-fn stay_in_the_home_pair(
-    cfg: &Config,
-    now: u32,
-    facts: &Facts,
-    states: Option<&RankStates>,
-    p: Placement,
-) -> Placement {
-    let (Some(PrefixChoice::Spread { rank, blocks }), Some(m), Some(st)) =
-        (p.prefix, facts.matched, states)
-    else {
-        return p;
-    };
-    let anchor = facts.key.map(|k| k.hash).or(facts.anchor);
-    let Some(anchor) = anchor.filter(|_| cfg.assign.mode == Mode::Hash && !m.branched) else {
-        return p;
-    };
-    let Placed::Assigned(Some(home)) = p.placed else {
-        return p;
-    };
-    let queued = st.inflight(rank).saturating_sub(st.inflight(home));
-    let worth_it = blocks as u64 > u64::from(cfg.prefix.load_blocks) * u64::from(queued);
-    if worth_it && rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank)) {
-        return Placement {
-            placed: Placed::Prefix { rank, blocks },
-            prefix: Some(PrefixChoice::Hit { rank, blocks }),
-        };
-    }
-    p
-}
-
 /// What the prefix stage made of a request the explicit rank and the key's pin left open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefixChoice {
@@ -227,7 +194,7 @@ pub fn prefix_choice(
     states: Option<&RankStates>,
     now: u32,
 ) -> PrefixChoice {
-    prefix_choice_at(cfg, m, states, now, None)
+    prefix_choice_at(cfg, m, states, now, None, None)
 }
 
 /// [`prefix_choice`] weighed against the request's *home*: the rank the assigner gives it
@@ -240,13 +207,15 @@ pub fn prefix_choice(
 /// So a long conversation history (80 blocks) stays over a difference of a request or two, a
 /// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
 /// cluster new conversations spread by their home instead of piling onto the first rank that
-/// computed a popular prefix.
+/// computed a popular prefix. `anchor`: what names the home (the key, or the prompt's anchor),
+/// for the bonus's one exception (see `outweighs_home`).
 pub fn prefix_choice_at(
     cfg: &Config,
     m: &Match,
     states: Option<&RankStates>,
     now: u32,
     home: Option<u32>,
+    anchor: Option<u64>,
 ) -> PrefixChoice {
     let min = cfg.prefix.min_match_blocks.max(1) as usize;
     let rank = match m.rank {
@@ -270,7 +239,9 @@ pub fn prefix_choice_at(
         (Some(st), _) if !keep_pin(st, now, rank, bound) => {
             PrefixChoice::SkippedFull { rank, blocks }
         }
-        (Some(st), Some(home)) if home != rank && !outweighs_home(cfg, m, st, rank, home) => {
+        (Some(st), Some(home))
+            if home != rank && !outweighs_home(cfg, m, st, now, rank, home, anchor) =>
+        {
             PrefixChoice::Spread { rank, blocks }
         }
         _ => PrefixChoice::Hit { rank, blocks },
@@ -279,7 +250,15 @@ pub fn prefix_choice_at(
 
 /// Whether the match on `rank` saves more prompt blocks than the extra work queued there costs,
 /// compared with going `home` (see [`prefix_choice_at`]).
-fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32) -> bool {
+fn outweighs_home(
+    cfg: &Config,
+    m: &Match,
+    st: &RankStates,
+    now: u32,
+    rank: u32,
+    home: u32,
+    anchor: Option<u64>,
+) -> bool {
     let blocks = m.blocks as u64;
     // A shared prefix held at home too saves nothing by going elsewhere.
     let home_holds =
@@ -291,8 +270,17 @@ fn outweighs_home(cfg: &Config, m: &Match, st: &RankStates, rank: u32, home: u32
     // The bonus is for a home every replica computes alike and every turn returns to: the
     // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
     // one request to the next, so it earns none.
-    let bonus = match cfg.assign.mode {
-        Mode::Hash => cfg.prefix.home_blocks,
+    //
+    // Nor does a conversation's own history (an unbranched match) on the other of its anchor's
+    // two rendezvous ranks: both are its homes on every replica, and which one was a matter of
+    // load when an earlier turn was placed. Each turn asks again, so a turn placed on the
+    // second, whose history is still too short to outweigh the bonus, would otherwise go back to
+    // the first as soon as the load evens out, and lose what it had. The load term stays.
+    let in_home_pair =
+        |anchor| rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank));
+    let bonus = match (cfg.assign.mode, anchor) {
+        (Mode::Hash, Some(anchor)) if !m.branched && in_home_pair(anchor) => 0,
+        (Mode::Hash, _) => cfg.prefix.home_blocks,
         _ => 0,
     };
     let cost = u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(bonus);
@@ -322,7 +310,8 @@ pub struct Placement {
 /// table), then the prefix match (`prefix`: the index lookup of this request's chain, `None`
 /// when it has none), then `assign` (the configured assigner; it returns `None` in `envoy` mode).
 /// `states` as in [`prefix_choice`]; with states, a pin is kept only while its rank is usable and
-/// under the pinned bound, else the key moves to the next choice.
+/// under the pinned bound, else the key moves to the next choice. `anchor`: what names the
+/// request's home (its key's hash, or its prompt's anchor), as in [`prefix_choice_at`].
 ///
 /// Pure: the host calls it inside the rank board's atomic update (so the choice and the
 /// in-flight count agree), or directly in `envoy` mode.
@@ -332,6 +321,7 @@ pub fn place(
     pinned: Option<u32>,
     prefix: Option<&Match>,
     states: Option<&RankStates>,
+    anchor: Option<u64>,
     assign: impl FnOnce() -> Option<u32>,
 ) -> Placement {
     if let Some(rank) = pinned {
@@ -357,7 +347,7 @@ pub fn place(
     let (choice, placed) = match states {
         Some(_) => {
             let home = assign();
-            let choice = prefix_choice_at(cfg, m, states, now, home);
+            let choice = prefix_choice_at(cfg, m, states, now, home, anchor);
             (choice, hit_or(choice, || home))
         }
         None => {
@@ -585,7 +575,7 @@ mod tests {
         );
         let at = |m: &Match, loads: &[u32], home| {
             let st = states(&loads.iter().map(|&n| (n, 0)).collect::<Vec<_>>());
-            prefix_choice_at(&c, m, Some(&st), 10, Some(home))
+            prefix_choice_at(&c, m, Some(&st), 10, Some(home), None)
         };
         let shared = |blocks, rank, holders| Match {
             blocks,
@@ -624,7 +614,8 @@ mod tests {
                 &shared(4, 1, 0),
                 Some(&states(&[(0, 0); 4])),
                 10,
-                Some(2)
+                Some(2),
+                None
             ),
             hit(1, 4)
         );
@@ -634,12 +625,12 @@ mod tests {
         let d = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
         let eight_more = states(&[(0, 0), (8, 0), (0, 0), (0, 0)]);
         assert_eq!(
-            prefix_choice_at(&d, &matched(80, 1), Some(&eight_more), 10, Some(2)),
+            prefix_choice_at(&d, &matched(80, 1), Some(&eight_more), 10, Some(2), None),
             hit(1, 80)
         );
         let idle = states(&[(0, 0); 4]);
         assert_eq!(
-            prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2)),
+            prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2), None),
             hit(1, 4)
         );
     }
@@ -652,7 +643,7 @@ mod tests {
         let never = || -> Option<u32> { panic!("the assigner must not run") };
         // A kept pin wins; the prefix is not even consulted.
         assert_eq!(
-            place(&c, 0, Some(1), Some(&m), Some(&idle), never),
+            place(&c, 0, Some(1), Some(&m), Some(&idle), None, never),
             Placement {
                 placed: Placed::Pin(1),
                 prefix: None
@@ -660,7 +651,7 @@ mod tests {
         );
         // No pin: the prefix (16 blocks outweigh the home's bonus on an idle cluster).
         assert_eq!(
-            place(&c, 0, None, Some(&m), Some(&idle), || Some(0)),
+            place(&c, 0, None, Some(&m), Some(&idle), None, || Some(0)),
             Placement {
                 placed: Placed::Prefix {
                     rank: 3,
@@ -675,7 +666,7 @@ mod tests {
         // A pin over the pinned bound (rank 1: 9 of 9 in flight) moves to the prefix's rank.
         let pin_busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
         assert_eq!(
-            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), || Some(0)).placed,
+            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), None, || Some(0)).placed,
             Placed::Prefix {
                 rank: 3,
                 blocks: 16
@@ -684,7 +675,7 @@ mod tests {
         // The prefix's rank full: the assigner decides, and the skip is reported.
         let prefix_busy = states(&[(0, 0), (0, 0), (0, 0), (5, 0)]);
         assert_eq!(
-            place(&c, 0, None, Some(&m), Some(&prefix_busy), || Some(0)),
+            place(&c, 0, None, Some(&m), Some(&prefix_busy), None, || Some(0)),
             Placement {
                 placed: Placed::Assigned(Some(0)),
                 prefix: Some(PrefixChoice::SkippedFull {
@@ -695,16 +686,22 @@ mod tests {
         );
         // No match, or no chain at all (not consulted).
         assert_eq!(
-            place(&c, 0, None, Some(&Match::default()), Some(&idle), || Some(
-                2
-            )),
+            place(
+                &c,
+                0,
+                None,
+                Some(&Match::default()),
+                Some(&idle),
+                None,
+                || Some(2)
+            ),
             Placement {
                 placed: Placed::Assigned(Some(2)),
                 prefix: Some(PrefixChoice::Miss)
             }
         );
         assert_eq!(
-            place(&c, 0, None, None, Some(&idle), || None),
+            place(&c, 0, None, None, Some(&idle), None, || None),
             Placement {
                 placed: Placed::Assigned(None),
                 prefix: None
@@ -713,11 +710,11 @@ mod tests {
         // Envoy mode: no states, a pin always holds, a match always routes.
         let envoy = cfg(ENVOY_MODE);
         assert_eq!(
-            place(&envoy, 0, Some(0), Some(&m), None, never).placed,
+            place(&envoy, 0, Some(0), Some(&m), None, None, never).placed,
             Placed::Pin(0)
         );
         assert_eq!(
-            place(&envoy, 0, None, Some(&m), None, never).placed,
+            place(&envoy, 0, None, Some(&m), None, None, never).placed,
             Placed::Prefix {
                 rank: 3,
                 blocks: 16
@@ -742,14 +739,14 @@ mod tests {
         // is recorded under rank 2.
         let first = chain_of("How do I reset my password?");
         let m = idx.longest_match(&s, first.hashes(), 100, c.dp_size);
-        let p = place(&c, 100, None, Some(&m), None, || None);
+        let p = place(&c, 100, None, Some(&m), None, None, || None);
         assert_eq!(p.prefix, Some(PrefixChoice::Miss));
         idx.record(&s, first.hashes(), 2, 100, &m);
         // Another user message after the same system prompt: the prefix sends it to rank 2.
         let second = chain_of("Where is my invoice?");
         let m = idx.longest_match(&s, second.hashes(), 101, c.dp_size);
         assert!(m.blocks * 64 >= system.len() * 2 / 3, "{} blocks", m.blocks);
-        let p = place(&c, 101, None, Some(&m), None, || None);
+        let p = place(&c, 101, None, Some(&m), None, None, || None);
         assert!(matches!(p.placed, Placed::Prefix { rank: 2, .. }), "{p:?}");
         // An unrelated prompt shares nothing.
         let body = system_chat(&"Translate to French. ".repeat(200), "Hello");

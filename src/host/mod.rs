@@ -11,7 +11,7 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::body_rewrite::rewrite;
+use crate::body_rewrite::{rewrite, RankEdit};
 use crate::chain::Chain;
 use crate::config::{Config, TargetMode};
 use crate::decide::{decide_body_with_prefix, decide_headers, resolve_key, without_body};
@@ -24,7 +24,7 @@ use crate::prefix_index::{CountingStore, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
-use crate::target::{engine_parses_as_json, EngineTarget, PathTarget};
+use crate::target::{engine_parses_as_json, EngineTarget};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
 
 proxy_wasm::main! {{
@@ -721,30 +721,22 @@ impl Filter {
         self.apply(decision, true)
     }
 
-    /// Engine mode: this request's path target, when its body is one the filter may edit.
-    fn editable_path(&self) -> Option<&PathTarget> {
+    /// Engine mode: the edit the body still needs now that the rank is known (or known to be
+    /// none), when its body is one the filter may edit.
+    fn pending_body_edit(&self) -> Option<RankEdit<'_>> {
         if !self.body_editable {
             return None;
         }
         let engine = self.rt.cfg.target.engine()?;
-        engine.paths.get(self.path_target?)
-    }
-
-    /// Whether the body still needs an edit now that the rank is known (or known to be none).
-    fn pending_body_edit(&self) -> Option<()> {
-        let path = self.editable_path()?;
+        let path = engine.paths.get(self.path_target?)?;
         path.body_edit(self.engine_rank, self.may_choose_rank)
-            .map(|_| ())
     }
 
     /// Writes the rank into the body (and drops a client's rank fields), correcting
     /// `content-length`: the headers are still paused, so they can change.
     fn edit_body(&mut self, body: &[u8]) -> Action {
         let rt = self.rt.clone();
-        let Some(edit) = self
-            .editable_path()
-            .and_then(|p| p.body_edit(self.engine_rank, self.may_choose_rank))
-        else {
+        let Some(edit) = self.pending_body_edit() else {
             return Action::Continue;
         };
         let rewritten = match rewrite(body, edit) {
