@@ -200,20 +200,7 @@ impl<'h> ChainBuilder<'h> {
         if self.opening.is_some() || !self.active() {
             return;
         }
-        let mut lanes = self.lanes;
-        if self.ncarry > 0 {
-            let mut last = [0u8; STRIPE];
-            if let (Some(dst), Some(src)) =
-                (last.get_mut(..self.ncarry), self.carry.get(..self.ncarry))
-            {
-                dst.copy_from_slice(src);
-            }
-            stripe(&mut lanes, &last);
-        }
-        let mut h = fmix64(self.prev ^ OPENING_TAG ^ self.filled as u64);
-        for lane in lanes {
-            h = fmix64(h ^ lane);
-        }
+        let h = self.block_hash(fmix64(self.prev ^ OPENING_TAG ^ self.filled as u64));
         self.opening = Some(Opening {
             blocks: self.hashes.len(),
             hash: h,
@@ -311,19 +298,25 @@ impl<'h> ChainBuilder<'h> {
         }
     }
 
-    fn finish_block(&mut self) {
+    /// The current block's lanes, with its partial stripe zero-padded, folded into `prev`: a
+    /// full block's hash (from the previous block's), or an opening's (see `mark_opening`).
+    fn block_hash(&self, prev: u64) -> u64 {
+        let mut lanes = self.lanes;
         if self.ncarry > 0 {
-            if let Some(pad) = self.carry.get_mut(self.ncarry..) {
-                pad.fill(0);
+            let mut last = [0u8; STRIPE];
+            if let (Some(dst), Some(src)) =
+                (last.get_mut(..self.ncarry), self.carry.get(..self.ncarry))
+            {
+                dst.copy_from_slice(src);
             }
-            let c = self.carry;
-            stripe(&mut self.lanes, &c);
-            self.ncarry = 0;
+            stripe(&mut lanes, &last);
         }
-        let mut h = self.prev;
-        for &lane in &self.lanes {
-            h = fmix64(h ^ lane);
-        }
+        lanes.iter().fold(prev, |h, &lane| fmix64(h ^ lane))
+    }
+
+    fn finish_block(&mut self) {
+        let h = self.block_hash(self.prev);
+        self.ncarry = 0;
         self.hashes.push(h);
         self.prev = h;
         self.lanes = self.h.lanes;
