@@ -133,6 +133,7 @@ PREFIX_SHORT = ["filter-prefix", "envoy-rr", "gateway-cache-aware"]
 # The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
 KV_ALL = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed", "filter-hash-bounded",
           "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY]
+KV_AGENT = ["filter-shipped", "filter-shipped-keyed", "envoy-hash", "envoy-rr", "gateway-cache-aware"]
 KV_REPLICAS = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed",
                "filter-hash-bounded", "envoy-rr", *GATEWAY]
 
@@ -246,6 +247,33 @@ def kv_trace(path, ranks, seed=None):
             f.write(json.dumps(line) + "\n")
 
 
+def agent_trace(path, ranks, seed=None):
+    """A block-id trace of agent loops behind one long shared prompt: every request opens with the
+    same 96 KiB (1536 blocks: the instructions and tool definitions of a coding agent, ~24k
+    tokens), then its session's own task (0.5-4 KiB); each of a session's 3-12 turns adds the
+    model's answer and a tool result (1-8 KiB), 0.3-2 s apart. What it tests: a shared prefix
+    longer than many a router hashes, and conversations whose own part is a small tail behind it.
+    The seed is 7 unless `BENCH_KV_SEED` says otherwise."""
+    rng = random.Random(int(os.environ.get("BENCH_KV_SEED", "7")) if seed is None else seed)
+    fresh = id_source()
+    system = fresh(1536)
+    lines, start = [], 0.0
+    for s in range(24 * ranks):
+        start += rng.expovariate(0.8 * ranks) * 1000.0
+        prompt = system + fresh(rng.randint(8, 64))
+        t = start
+        for _ in range(rng.randint(3, 12)):
+            lines.append({"timestamp": round(t, 1), "hash_ids": list(prompt), "output_length": 32,
+                          "key": f"ag-s{s}"})
+            prompt += fresh(4)  # the answer, resent in the next turn
+            prompt += fresh(rng.randint(16, 128))
+            t += 300.0 + rng.expovariate(1 / 700.0)
+    lines.sort(key=lambda r: r["timestamp"])
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
 def configurations(suite, quick, trace):
     """Dicts: label, ranks, replicas, cache scale (1: the ranks together can hold every distinct
     block once; 0.25: a quarter of that), workload (chat | blocks | a trace file), policies, goal
@@ -291,6 +319,10 @@ def configurations(suite, quick, trace):
             cfg("kv-cache trace, 8 ranks", 8, KV_ALL, prefix_goal, workload="kv", busy=KV_BUSY),
             cfg("kv-cache trace, 4 ranks, 2 Envoy replicas", 4, KV_REPLICAS, prefix_goal, replicas=2,
                 workload="kv", busy=KV_BUSY),
+            cfg("kv-cache trace, 8 ranks, 2 Envoy replicas", 8, KV_REPLICAS, prefix_goal, replicas=2,
+                workload="kv", busy=KV_BUSY),
+            cfg("agent loops behind a 96 KiB shared prompt, 4 ranks", 4, KV_AGENT, prefix_goal,
+                workload="agent", busy=KV_BUSY),
         ]
     return out
 
@@ -315,6 +347,10 @@ def make_trace(workdir, c, quick):
         path = os.path.join(workdir, f"trace-kv-{ranks}ranks.jsonl")
         kv_trace(path, ranks)
         desc = "KV-cache-trace shape (`kv_trace()` in this script: one shared 2 KiB system prompt, long one- and two-turn sessions, a few long conversations, shared documents)"
+    elif kind == "agent":
+        path = os.path.join(workdir, f"trace-agent-{ranks}ranks.jsonl")
+        agent_trace(path, ranks)
+        desc = "agent loops (`agent_trace()` in this script: one shared 96 KiB prompt, sessions of 3-12 turns each adding a tool result of 1-8 KiB)"
     elif kind == "blocks":
         path = os.path.join(workdir, f"trace-blocks-{ranks}ranks.jsonl")
         block_trace(path, ranks)

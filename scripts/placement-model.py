@@ -12,7 +12,10 @@ It has no timing, queues or load bounds: it isolates the home rule. Runs in seco
 Rules: top1 (the first rendezvous rank), two (the less worked of the top two), margin (the second
 only if it would still have less after taking the request), sig (the filter's rule: the second
 only if the first's excess is beyond the request plus sqrt((first + second) x blocks)), least
-(the least worked rank of all: the balance a sticky greedy placement can reach).
+(the least worked rank of all: the balance a sticky greedy placement can reach). With two
+replicas each rule also runs with "one shared view": the replicas read the same recent work, as
+they would if both polled one load report (the engines'), to tell how much of the two-replica
+loss comes from their different views and how much from deciding at different moments.
 """
 import hashlib
 import math
@@ -57,25 +60,29 @@ def home(rule, work, order, size):
     raise ValueError(rule)
 
 
-def run(ranks, replicas, rule, seed):
-    """(hit share of the oracle, max/mean prompt blocks per rank)."""
+def run(ranks, replicas, rule, seed, one_view=False):
+    """(hit share of the oracle, max/mean prompt blocks per rank). one_view: every replica reads
+    and adds to the same recent work (as if all polled one shared load report), while each still
+    knows only the conversations it served."""
     rng = random.Random(seed + 1000)
-    work = [[0] * ranks for _ in range(replicas)]
-    tick = [0.0] * replicas
+    views = 1 if one_view else replicas
+    work = [[0] * ranks for _ in range(views)]
+    tick = [0.0] * views
     known = [dict() for _ in range(replicas)]
     cached, tokens = {}, [0] * ranks
     hit = oracle = 0
     served_before = {}
     for t, s, _, size in kv_trace(ranks, seed):
         r = rng.randrange(replicas)
-        while tick[r] + 1 <= t:
-            tick[r] += 1
-            work[r] = [n - math.ceil(n / 8) for n in work[r]]
+        v = 0 if one_view else r
+        while tick[v] + 1 <= t:
+            tick[v] += 1
+            work[v] = [n - math.ceil(n / 8) for n in work[v]]
         if s not in known[r]:
             order = sorted(range(ranks), key=lambda x: weight(s, x), reverse=True)
-            known[r][s] = home(rule, work[r], order, size)
+            known[r][s] = home(rule, work[v], order, size)
         rank = known[r][s]
-        work[r][rank] += size
+        work[v][rank] += size
         tokens[rank] += size
         system = 32 if cached.get((rank, "system")) else 0
         hit += max(cached.get((rank, s), 0), system)
@@ -92,10 +99,12 @@ def main():
     print("|---:|---:|---|---:|---:|---:|")
     for ranks, replicas in [(4, 1), (8, 1), (4, 2), (8, 2)]:
         for rule in ["top1", "two", "margin", "sig", "least"]:
-            res = [run(ranks, replicas, rule, seed) for seed in seeds]
-            hit = sum(h for h, _ in res) / len(res)
-            bal = sum(b for _, b in res) / len(res)
-            print(f"| {ranks} | {replicas} | {rule} | {hit:.3f} | {bal:.2f} | {max(b for _, b in res):.2f} |")
+            for one_view in [False, True] if replicas > 1 and rule != "top1" else [False]:
+                res = [run(ranks, replicas, rule, seed, one_view) for seed in seeds]
+                hit = sum(h for h, _ in res) / len(res)
+                bal = sum(b for _, b in res) / len(res)
+                label = f"{rule}, one shared view" if one_view else rule
+                print(f"| {ranks} | {replicas} | {label} | {hit:.3f} | {bal:.2f} | {max(b for _, b in res):.2f} |")
 
 
 if __name__ == "__main__":

@@ -1349,7 +1349,7 @@ mod tests {
                 p.min_match_blocks,
                 p.grid_bits
             ),
-            (512, 64, 128, 1, 2)
+            (512, 64, 512, 1, 2)
         );
         assert_eq!((p.table.buckets, p.table.ways), (65_536, 16));
         assert_eq!(

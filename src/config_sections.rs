@@ -87,6 +87,13 @@ pub struct PrefixConfig {
 impl Default for PrefixConfig {
     /// - 512-byte blocks (~128 tokens of English) / 64-token blocks: fine enough that a shared
     ///   system prompt of a few KiB is matched, coarse enough that 64 KiB is only 128 blocks.
+    /// - `max_blocks` 512 (256 KiB, ~64k tokens): prompts that agree on every hashed block look
+    ///   like one conversation, so the hashed part must reach past the longest prefix that
+    ///   different conversations share. An agent's instructions and tool definitions are tens of
+    ///   KiB: with 128 blocks (64 KiB) every session of an agent behind a 96 KiB prompt matched
+    ///   the first session's "history" and followed it to one rank (`scripts/bench-affinity.py
+    ///   --suite kv`, agent workload: 3.06 × the mean load there, against 1.04 with 512). The
+    ///   rest of a longer body is walked anyway; hashing it too costs ~25 % more walk time.
     /// - `min_match_blocks` 1: every full block is ~128 tokens of prefill saved, and what keeps a
     ///   popular shared prefix from piling requests onto one rank is the load bound applied to
     ///   the matched rank, not this threshold; a higher one would mostly delay the stickiness of
@@ -105,14 +112,14 @@ impl Default for PrefixConfig {
     ///   conversation's own history then stays until the pinned bound, and a shared system prompt
     ///   of 8 blocks (4 KiB) or less never pulls a new conversation away from its home.
     /// - Index: 65,536 buckets × 16 ways (16 MiB, the affinity table's geometry): a bucket read
-    ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 14
-    ///   entries per chain: room for ~75,000 long prompts, more short ones.
+    ///   copies 256 bytes, and 16 ways keep the per-bucket LRU close to a global one. At most 18
+    ///   entries per chain: room for ~58,000 long prompts, more short ones.
     fn default() -> Self {
         PrefixConfig {
             enabled: true,
             block_bytes: 512,
             block_tokens: 64,
-            max_blocks: 128,
+            max_blocks: 512,
             min_match_blocks: 1,
             sticky_blocks: 1,
             shared_slack: 0,
@@ -191,7 +198,7 @@ mod tests {
                 d.max_blocks,
                 d.min_match_blocks
             ),
-            (512, 64, 128, 1)
+            (512, 64, 512, 1)
         );
         assert_eq!(d.table.namespace, "dp_affinity_prefix");
         assert!(d.validate().is_ok());
@@ -219,7 +226,7 @@ mod tests {
             ),
             (
                 PrefixConfig {
-                    min_match_blocks: 129,
+                    min_match_blocks: 513,
                     ..d.clone()
                 },
                 "prefix.min_match_blocks",

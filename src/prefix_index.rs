@@ -33,13 +33,13 @@
 //! index holds a chain only at *grid* positions: block counts `p >= min_match_blocks` whose binary
 //! form has at most `grid_bits` significant bits (1, 2, 3, 4, 6, 8, 12, 16, 24, ... for 2 bits),
 //! plus `max_blocks`, the length every long prompt ends at. With the defaults a chain has at most
-//! 14 grid positions: 1 2 3 4 6 8 12 16 24 32 48 64 96 128.
+//! 18 grid positions: 1 2 3 4 6 8 12 16 24 32 48 64 96 128 192 256 384 512.
 //! - Precision: a match is reported at the deepest grid position the index holds, at least 2/3
 //!   of the true shared prefix (exact up to 4 blocks); 3 bits give 4/5 at 24 positions.
 //! - Writes: [`PrefixIndex::record`] writes only the grid positions beyond the match, bottom up
 //!   (a concurrent lookup never sees a position without those below it): up to 14 for a new
-//!   64 KiB prompt; for a conversation's next turn usually none, one when it crosses a grid
-//!   position, so at most 14 over its whole life (instead of one per block per turn).
+//!   64 KiB prompt, 18 for 256 KiB; for a conversation's next turn usually none, one when it
+//!   crosses a grid position, so at most 18 over its whole life (instead of one per block per turn).
 //! - Reads: chains are prefix-closed (a position is written only after the ones below it), so
 //!   presence is monotone over the grid and [`PrefixIndex::longest_match`] searches it: the
 //!   deepest position first (1 read: every turn of a conversation that did not cross a grid
@@ -53,6 +53,21 @@
 //!   affinity table does), so the entries that routing actually uses stay recent for the LRU and
 //!   the TTL, and entries nobody matches age out. An evicted or expired entry below live ones
 //!   only shortens a match if the search happens to probe it, and the next record rewrites it.
+//! - Fine positions behind a shared prefix: past a long shared prefix (an agent's 96 KiB of
+//!   instructions ends at grid position 192; the next is 256) a conversation's own part may take
+//!   many turns to reach the next grid position, and until then the grid sees none of its
+//!   history: every turn would be placed like a new conversation. So when a chain's grid match
+//!   `m` is branched (shared, see below), the chain is also indexed at `m`'s *fine* positions
+//!   `m + 1, m + 2, m + 4, …` below the next grid position, written bottom up and searched like
+//!   the grid (top first, then binary search): the next turn finds its own history there. The
+//!   same when `m` is the deepest grid position a chain has and the chain goes past it: a new
+//!   prompt indexes its tail there, so that the first other conversation behind the same long
+//!   prefix, which matches all of its grid positions, finds that it went on differently (and,
+//!   recording its own, marks `m` branched for every later one). Elsewhere a conversation's own
+//!   grid positions tell it from its neighbours already. Cost: the fine search's reads (one for
+//!   a new conversation behind a short system prompt: 4 blocks have one fine position, 5, below
+//!   6), and one write per fine position a conversation passes, once ([`Match::fine_base`]
+//!   carries the base from the lookup to the writes).
 //!
 //! Each hash maps to one rank: the last to record a position beyond what it matched. A request
 //! placed elsewhere than its match (the matched rank was full) records only the positions beyond
@@ -86,9 +101,9 @@ use crate::table::{
 /// What [`PrefixIndex::longest_match`] found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Match {
-    /// Leading blocks of the chain found in the index (a grid position; 0 = none). A lower bound
-    /// of the true shared prefix, to the grid's precision; never below `min_match_blocks` when
-    /// non-zero.
+    /// Leading blocks of the chain found in the index (an indexed position: on the grid, or one
+    /// of `fine_base`'s fine positions; 0 = none). A lower bound of the true shared prefix, to
+    /// the index's precision; never below `min_match_blocks` when non-zero.
     pub blocks: usize,
     /// The rank recorded at that position (always in `0..dp_size`); `None` = no match.
     pub rank: Option<u32>,
@@ -99,6 +114,9 @@ pub struct Match {
     /// Holder flags of that position ([`holder_flag`]): other ranks known to hold the prefix too
     /// (requests sharing it were served there).
     pub holders: u16,
+    /// The grid position whose *fine* positions this chain is indexed at too (0: none): its
+    /// grid match, when the chain ends before the next grid position (see the module doc).
+    pub fine_base: usize,
     /// Store reads made.
     pub reads: u32,
     /// Store writes made (refreshes of found entries older than `refresh_seconds`).
@@ -146,10 +164,68 @@ impl PrefixIndex {
         &self.grid
     }
 
-    /// Indexed positions of a chain of `len` blocks.
+    /// Grid positions of a chain of `len` blocks.
     fn positions(&self, len: usize) -> &[u32] {
         let n = self.grid.partition_point(|&p| p as usize <= len);
         self.grid.get(..n).unwrap_or(&[])
+    }
+
+    /// The first grid position past `p`.
+    fn next_grid(&self, p: usize) -> Option<usize> {
+        let i = self.grid.partition_point(|&q| q as usize <= p);
+        self.grid.get(i).map(|&q| q as usize)
+    }
+
+    /// The fine positions of grid position `base` in a chain of `len` blocks, ascending:
+    /// `base + 1`, `base + 2`, `base + 4`, … up to `len` and below the next grid position.
+    fn fine_positions(
+        &self,
+        base: usize,
+        len: usize,
+    ) -> impl DoubleEndedIterator<Item = u32> + use<> {
+        let base32 = base as u32;
+        (0..self.fine_count(base, len) as u32).map(move |j| base32 + (1 << j))
+    }
+
+    /// How many fine positions grid position `base` has in a chain of `len` blocks (0 for no
+    /// base).
+    fn fine_count(&self, base: usize, len: usize) -> usize {
+        let end = len.min(self.next_grid(base).unwrap_or(usize::MAX).saturating_sub(1));
+        match end.checked_sub(base) {
+            Some(span) if base > 0 && span > 0 => span.ilog2() as usize + 1,
+            _ => 0,
+        }
+    }
+
+    /// Every indexed position of a chain of `len` blocks whose fine base is `fine_base`,
+    /// ascending: the grid's, with the base's fine positions in between, and with `tail` the
+    /// fine positions of the chain's deepest grid position too.
+    fn indexed(
+        &self,
+        len: usize,
+        fine_base: usize,
+        tail: bool,
+    ) -> impl DoubleEndedIterator<Item = u32> + '_ {
+        let grid = self.positions(len);
+        let split = grid.partition_point(|&p| p as usize <= fine_base);
+        let (below, above) = grid.split_at(split);
+        let last = grid.last().map_or(0, |&p| p as usize);
+        let tail_base = if tail && last != fine_base { last } else { 0 };
+        below
+            .iter()
+            .copied()
+            .chain(self.fine_positions(fine_base, len))
+            .chain(above.iter().copied())
+            .chain(self.fine_positions(tail_base, len))
+    }
+
+    /// The positions [`record`](Self::record) writes for a chain of `len` blocks (those beyond
+    /// `matched` among them): the lookup's fine base, and a new prompt's tail. A prompt the
+    /// index has never seen indexes where it ends at fine positions, so that the next prompt
+    /// sharing all of its grid positions (a second conversation behind the same long prefix,
+    /// which ends before the next grid position) can tell that it went on differently.
+    fn recorded(&self, len: usize, matched: &Match) -> impl DoubleEndedIterator<Item = u32> + '_ {
+        self.indexed(len, matched.fine_base, matched.blocks == 0)
     }
 
     /// The deepest indexed position of `chain` present in the index on a rank in `0..dp_size`,
@@ -157,21 +233,39 @@ impl PrefixIndex {
     /// refreshed (one write each, with the token of the read).
     pub fn longest_match(&self, store: &dyn Store, chain: &[u64], now: u32, dp_size: u32) -> Match {
         let counting = CountingStore::new(store);
-        let pos = self.positions(chain.len());
-        let found = search(pos.len(), |i| {
-            let h = *chain.get(*pos.get(i)? as usize - 1)?;
+        let probe = |p: u32| {
+            let h = *chain.get((p as usize).checked_sub(1)?)?;
             match self.table.lookup_flagged(&counting, h, now, dp_size) {
-                (Lookup::Hit { rank }, flags) => Some((rank, flags)),
+                (Lookup::Hit { rank }, flags) => Some((p, rank, flags)),
                 (Lookup::Miss | Lookup::Undecodable, _) => None,
             }
-        });
+        };
+        let pos = self.positions(chain.len());
+        let mut found = search(pos.len(), |i| probe(*pos.get(i)?)).map(|(_, hit)| hit);
+        // Past a shared (branched) prefix, the prompt's own history is searched at the match's
+        // fine positions: a conversation's turns behind a long shared prefix may not reach the
+        // next grid position for a while. So is a prompt ending past the deepest grid position
+        // it has, where a new prompt recorded its tail: the other conversation that shares
+        // all of its grid positions finds out there (and marks the match branched).
+        let tail = pos.last().map(|&p| p as usize).filter(|&p| p < chain.len());
+        let fine_base = match found {
+            Some((p, _, flags)) if flags & FLAG_BRANCHED != 0 || tail == Some(p as usize) => {
+                p as usize
+            }
+            _ => 0,
+        };
+        let fine_count = self.fine_count(fine_base, chain.len());
+        let fine_at = |i: usize| (fine_base + (1 << i)) as u32;
+        if let Some((_, deeper)) = search(fine_count, |i| probe(fine_at(i))) {
+            found = Some(deeper);
+        }
+        let fine_base = if fine_count == 0 { 0 } else { fine_base };
         Match {
-            blocks: found
-                .and_then(|(i, _)| pos.get(i))
-                .map_or(0, |&p| p as usize),
-            rank: found.map(|(_, (rank, _))| rank),
-            branched: found.is_some_and(|(_, (_, flags))| flags & FLAG_BRANCHED != 0),
-            holders: found.map_or(0, |(_, (_, flags))| flags & !FLAG_BRANCHED),
+            blocks: found.map_or(0, |(p, _, _)| p as usize),
+            rank: found.map(|(_, rank, _)| rank),
+            branched: found.is_some_and(|(_, _, flags)| flags & FLAG_BRANCHED != 0),
+            holders: found.map_or(0, |(_, _, flags)| flags & !FLAG_BRANCHED),
+            fine_base,
             reads: counting.reads.get(),
             refreshes: counting.writes.get(),
         }
@@ -210,7 +304,7 @@ impl PrefixIndex {
     ) -> (TableEvents, bool) {
         let mut events = TableEvents::default();
         let mut wrote = false;
-        for &p in self.positions(chain.len()) {
+        for p in self.recorded(chain.len(), matched) {
             if p as usize <= matched.blocks {
                 continue;
             }
@@ -270,9 +364,8 @@ impl PrefixIndex {
     /// prompt) share the anchor, hence its two home ranks, until the load bound spills them.
     pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
         let last = chain.len().checked_sub(1)?;
-        let after = |p: usize| self.grid.iter().map(|&q| q as usize).find(|&q| q > p);
-        let next = after(matched.blocks).unwrap_or(chain.len());
-        let reach = after(next).unwrap_or(usize::MAX);
+        let next = self.next_grid(matched.blocks).unwrap_or(chain.len());
+        let reach = self.next_grid(next).unwrap_or(usize::MAX);
         let short = |o: Opening| o.blocks <= self.short_opening_blocks || o.blocks <= reach;
         match opening {
             Some(o)
@@ -287,9 +380,8 @@ impl PrefixIndex {
 
     /// How many positions [`record`](Self::record) would write.
     pub fn writes_needed(&self, chain_len: usize, matched: &Match) -> usize {
-        self.positions(chain_len)
-            .iter()
-            .filter(|&&p| p as usize > matched.blocks)
+        self.recorded(chain_len, matched)
+            .filter(|&p| p as usize > matched.blocks)
             .count()
     }
 
@@ -304,12 +396,12 @@ impl PrefixIndex {
         rank: u32,
         matched: &Match,
     ) -> TableEvents {
-        let added = self.positions(chain.len()).iter().rev();
+        let added = self.recorded(chain.len(), matched).rev();
         self.unpin_all(
             store,
             chain,
             rank,
-            added.take_while(|&&p| p as usize > matched.blocks),
+            added.take_while(|&p| p as usize > matched.blocks),
         )
     }
 
@@ -326,21 +418,24 @@ impl PrefixIndex {
         if matched.rank != Some(rank) {
             return TableEvents::default();
         }
-        let matched_positions = self.positions(matched.blocks.min(chain.len())).iter().rev();
+        // With the tail's fine positions: whatever this chain may have recorded there.
+        let matched_positions = self
+            .indexed(matched.blocks.min(chain.len()), matched.fine_base, true)
+            .rev();
         self.unpin_all(store, chain, rank, matched_positions)
     }
 
     /// Removes the entries of `chain` at `positions` that still point at `rank` (one read each,
     /// a write per removal).
-    fn unpin_all<'p>(
+    fn unpin_all(
         &self,
         store: &dyn Store,
         chain: &[u64],
         rank: u32,
-        positions: impl Iterator<Item = &'p u32>,
+        positions: impl Iterator<Item = u32>,
     ) -> TableEvents {
         let mut events = TableEvents::default();
-        for &p in positions {
+        for p in positions {
             if let Some(&h) = (p as usize).checked_sub(1).and_then(|i| chain.get(i)) {
                 events.add(self.table.unpin(store, h, rank).1);
             }
@@ -496,7 +591,7 @@ mod tests {
         let idx = PrefixIndex::new(&PrefixConfig::default());
         assert_eq!(
             idx.grid(),
-            [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+            [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
         );
         let three = PrefixIndex::new(&PrefixConfig {
             grid_bits: 3,
@@ -523,7 +618,16 @@ mod tests {
                 let q = random_chain(1000 + shared as u64, len, &a, shared);
                 let m = idx.longest_match(&s, &q, 1001, 4);
                 let reach = shared.min(len).min(100);
-                let want = idx.grid().iter().rev().find(|&&p| p as usize <= reach);
+                let mut want = idx.grid().iter().rev().find(|&&p| p as usize <= reach);
+                // `a` indexed its tail past its grid position 96 at fine positions: a prompt
+                // whose own deepest grid position is 96 and goes past it searches them.
+                let tail = idx.grid().iter().rev().find(|&&p| p as usize <= len);
+                if want == Some(&96) && tail == Some(&96) && len > 96 {
+                    want = [100, 98, 97]
+                        .iter()
+                        .find(|&&p| p as usize <= reach)
+                        .or(want);
+                }
                 assert_eq!(
                     m.blocks,
                     want.map_or(0, |&p| p as usize),
@@ -532,8 +636,10 @@ mod tests {
                 assert_eq!(m.rank, want.map(|_| 2));
             }
         }
+        // b's 20 blocks end past its grid position 16: a new prompt, it indexed its tail at the
+        // fine positions 17 18 20, found top first like the grid's.
         let m = idx.longest_match(&s, &b, 1001, 4);
-        assert_eq!((m.blocks, m.rank, m.reads), (16, Some(3), 1));
+        assert_eq!((m.blocks, m.rank, m.reads), (20, Some(3), 2));
         // Another chain sharing 30 blocks of `a`, recorded on rank 1 beyond its match: deeper
         // positions go to rank 1, shallower ones keep rank 2.
         let c = random_chain(3, 60, &a, 30);
@@ -692,11 +798,11 @@ mod tests {
         let m = idx.longest_match(&s, &c, 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
         // The first conversation's own 3 blocks past the system prompt reach no grid position
-        // (8, then 12): its next turn cannot be told from a new prompt, and what it can lose by
-        // being spread is those unindexed blocks.
+        // (8, then 12), but a new prompt indexes its tail at fine positions (9, 10): its next
+        // turn finds its own history there, unbranched.
         let a2 = random_chain(10, 14, &a1, 11);
         let m = idx.longest_match(&s, &a2, 1000, 4);
-        assert_eq!((m.blocks, m.rank, m.branched), (8, Some(0), true));
+        assert_eq!((m.blocks, m.rank, m.branched), (10, Some(0), false));
         // Once its own part is indexed (12, recorded by this turn on rank 2), the next turn
         // matches it, unbranched, and so does every later one.
         idx.record(&s, &a2, 2, 1000, &m);
@@ -707,6 +813,55 @@ mod tests {
         let a4 = random_chain(10, 30, &a3, 20);
         let m = idx.longest_match(&s, &a4, 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
+    }
+
+    #[test]
+    fn history_behind_a_shared_prefix_is_found_at_fine_positions() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        // 192 shared blocks (a grid position; the next one is 256), then each conversation's own.
+        let system = random_chain(1, 192, &[], 0);
+        let conv = |tag| random_chain(tag, 300, &system, 192);
+        let turn = |c: &[u64], len: usize, rank| {
+            let m = idx.longest_match(&s, &c[..len], 1000, 4);
+            idx.record(&s, &c[..len], rank, 1000, &m);
+            m
+        };
+        // A first conversation records the prefix; a second one past 256 makes it branched.
+        turn(&conv(10), 200, 1);
+        turn(&conv(20), 260, 2);
+        let a = conv(30);
+        let m = turn(&a, 200, 3);
+        assert_eq!((m.blocks, m.branched, m.fine_base), (192, true, 192));
+        // Its next turns find their own history (unbranched, on its rank) at the fine positions
+        // 193 194 196 200 208 224, before and after they cross the grid position 256.
+        for (len, want) in [(205, 200), (230, 200), (255, 224), (270, 224)] {
+            let m = turn(&a, len, 3);
+            assert_eq!(
+                (m.blocks, m.rank, m.branched),
+                (want, Some(3), false),
+                "len {len}"
+            );
+        }
+        let m = idx.longest_match(&s, &a[..280], 1000, 4);
+        assert_eq!((m.blocks, m.rank), (256, Some(3)), "past 256: the grid");
+        // Another conversation sharing only the prefix does not take a's history for its own,
+        // and what it added is withdrawn, fine positions included, when it is not served.
+        let b = conv(40);
+        let m = idx.longest_match(&s, &b[..230], 1000, 4);
+        assert_eq!((m.blocks, m.rank, m.branched), (192, Some(1), true));
+        assert_eq!(idx.writes_needed(230, &m), 6, "193 194 196 200 208 224");
+        idx.record_positions(&s, &b[..230], 0, 1000, &m);
+        assert_eq!(idx.longest_match(&s, &b[..230], 1000, 4).blocks, 224);
+        idx.withdraw(&s, &b[..230], 0, &m);
+        assert_eq!(idx.longest_match(&s, &b[..230], 1000, 4).blocks, 192);
+        // A failed rank forgets the fine positions it held for the request too.
+        let m = idx.longest_match(&s, &a[..255], 1000, 4);
+        let all = Match { blocks: 255, ..m };
+        idx.forget(&s, &a[..255], 3, &all);
+        let m = idx.longest_match(&s, &a[..255], 1000, 4);
+        assert_eq!((m.blocks, m.branched), (192, true));
     }
 
     #[test]
@@ -729,8 +884,8 @@ mod tests {
         };
         assert_eq!(
             writes(&conv(30), &m, 2),
-            2,
-            "position 12, and the holder flag"
+            4,
+            "fine positions 9 and 10 past the shared 8, grid position 12, and the holder flag"
         );
         let m = idx.longest_match(&s, &conv(40), 1000, 4);
         assert_eq!(
@@ -750,13 +905,16 @@ mod tests {
     #[test]
     fn record_writes_only_what_changed() {
         let s = MemStore::default();
-        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        let idx = PrefixIndex::new(&PrefixConfig {
+            max_blocks: 128,
+            ..index_cfg(64, 16)
+        });
         idx.table().ensure_buckets(&s);
         let counted = CountingStore::new(&s);
         let conv = random_chain(1, 128, &[], 0);
         let mut now = 1000;
-        let mut total_writes = 0;
-        let mut marks = 0;
+        let mut written = std::collections::BTreeSet::new();
+        let (mut reads, mut turns) = (0, 0);
         let mut prev = 0;
         // A conversation growing by 3 blocks a turn, from 5 blocks to the cap and beyond.
         for len in (5..=140).step_by(3) {
@@ -772,11 +930,14 @@ mod tests {
                 .count();
             if prev > 0 {
                 assert_eq!(m.rank, Some(1));
-                match crossed {
-                    0 => assert_eq!(m.reads, 1, "len {len}"),
-                    1 => assert_eq!(m.reads, 2, "len {len}"),
-                    _ => assert!(m.reads <= 7),
-                }
+                // The grid (1 read when no grid position was crossed, 2 when one was), then the
+                // fine positions past a grid position the turn ends beyond (top first: the one
+                // the last turn wrote, or the one below, or the bottom, then a binary search).
+                let grid_reads = if crossed == 0 { 1 } else { 2 };
+                assert!(m.reads >= grid_reads.min(7), "len {len}: {}", m.reads);
+                assert!(m.reads <= grid_reads + 6, "len {len}: {}", m.reads);
+                reads += m.reads;
+                turns += 1;
             }
             prev = turn.len();
             // The conversation's own turns never match a branched position: each one marks the
@@ -787,19 +948,16 @@ mod tests {
             let needed = idx.writes_needed(turn.len(), &m);
             let mark = usize::from(needed > 0 && m.blocks > 0);
             assert_eq!(counted.writes.get() as usize, needed + mark);
-            total_writes += needed;
-            marks += mark;
+            for p in idx
+                .recorded(turn.len(), &m)
+                .filter(|&p| p as usize > m.blocks)
+            {
+                assert!(written.insert(p), "len {len}: position {p} written again");
+            }
         }
-        assert_eq!(
-            total_writes, 14,
-            "each grid position written once over the conversation"
-        );
-        // Turns after the first that crossed grid positions (at 8, 14, 17, 26, 32, 50, 65, 98
-        // and 128 blocks) each marked the position they matched: one write more apiece.
-        assert_eq!(
-            marks, 9,
-            "every turn that went past its match marked it, once"
-        );
+        let grid: std::collections::BTreeSet<u32> = idx.grid().iter().copied().collect();
+        assert!(written.is_superset(&grid), "every grid position written");
+        assert!(reads <= 3 * turns, "{reads} reads over {turns} turns");
         // Fully matched: nothing to write.
         let m = idx.longest_match(&counted, &conv, now, 4);
         counted.writes.set(0);
@@ -833,7 +991,7 @@ mod tests {
                 }
             }
         }
-        // Over a real index: at most 7 reads for the default 14 positions.
+        // Over a real index: at most 7 reads for 14 positions.
         let (s, idx) = (MemStore::default(), PrefixIndex::new(&index_cfg(64, 16)));
         let a = random_chain(1, 128, &[], 0);
         idx.record(&s, &a, 0, 1000, &Match::default());

@@ -337,6 +337,93 @@ fn conversations_of_short_turns_keep_their_rank() {
     }
 }
 
+/// Agent loops behind one long shared prompt (96 KiB of instructions and tool definitions, sent
+/// as a completions prompt as a trace replayer does), each turn adding a 1 KiB tool result. The
+/// first session's rank is kept busy while the others start, so they start elsewhere (at low
+/// load a 96 KiB prefix held on one rank would keep them all there); then every session keeps
+/// its rank from turn to turn. With only the first 64 KiB hashed, every prompt looked like the
+/// first one's history and later turns followed it back to its rank (11 of 12 moved); with the
+/// whole prefix hashed but only the sparse grid indexed, nothing of a session past the shared
+/// 96 KiB was indexed before it reached the next grid position (128 KiB).
+#[test]
+fn agent_sessions_behind_a_long_shared_prompt_keep_their_rank() {
+    const SESSIONS: usize = 12;
+    const TURNS: usize = 5;
+    const HELD: usize = 3;
+    let stack = Stack::start(
+        "prefix_agent_sessions",
+        StackOptions::new(support::requests::default_config(json!({
+            "assign": { "min_capacity": 1 },
+        })))
+        .mock_args(&["--stream-interval-ms", "250"]),
+    );
+    let mut shared = String::from("You are a coding agent. Tools: ");
+    let mut n = 0;
+    while shared.len() < 96 * 1024 {
+        shared.push_str(&format!(
+            "tool_{n}(path, pattern) searches the repository; "
+        ));
+        n += 1;
+    }
+    shared.truncate(96 * 1024);
+    let mut prompts: Vec<String> = (0..SESSIONS)
+        .map(|s| {
+            format!(
+                "{shared}\n{}",
+                format!("Task {s}: fix failing test {s}. ").repeat(64)
+            )
+        })
+        .collect();
+    let send = |prompt: &str| {
+        let request = Request::post("/v1/completions")
+            .json(&json!({ "model": "mock", "prompt": prompt, "max_tokens": 8 }));
+        served_rank(&stack.send(&request))
+    };
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); SESSIONS];
+    ranks[0].push(send(&prompts[0]));
+    settle();
+    // Streams held on the first session's rank fill it (capacity with 3 in flight on 4 ranks,
+    // floor 1: 2 for a new conversation's home, 2 for a match), so the others start elsewhere.
+    let addr = stack.addr();
+    let first = ranks[0][0];
+    std::thread::scope(|scope| {
+        let holders: Vec<_> = (0..HELD)
+            .map(|_| scope.spawn(move || hold_stream(addr, first)))
+            .collect();
+        std::thread::sleep(Duration::from_millis(600));
+        for (s, prompt) in prompts.iter().enumerate().skip(1) {
+            ranks[s].push(send(prompt));
+        }
+        for h in holders {
+            h.join().expect("holder thread");
+        }
+    });
+    settle();
+    for turn in 0..TURNS {
+        for (s, prompt) in prompts.iter_mut().enumerate() {
+            let result = format!("tool result {s}-{turn}: line {turn} of file {s}. ").repeat(40);
+            prompt.push_str(&result[..1024]);
+            ranks[s].push(send(prompt));
+        }
+    }
+    let moved: Vec<&Vec<u32>> = ranks
+        .iter()
+        .filter(|r| r.iter().any(|&x| x != r[0]))
+        .collect();
+    let homes = per_rank(ranks.iter().map(|r| r[0]));
+    println!(
+        "{SESSIONS} agent sessions x {} turns: first turns per rank {homes:?}, {} moved: \
+         {moved:?}",
+        TURNS + 1,
+        moved.len()
+    );
+    assert!(
+        ranks.iter().skip(1).all(|r| r[0] != first),
+        "the busy rank was not avoided: {homes:?}"
+    );
+    assert!(moved.is_empty(), "sessions moved between turns: {moved:?}");
+}
+
 // ---------------------------------------------------------------- (d)
 
 /// A keyed request records its prefix: keyless requests with the same system prompt follow it.
