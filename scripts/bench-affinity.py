@@ -206,6 +206,24 @@ def block_trace(path, ranks, seed=11):
                           "key": f"b-s{s}"})
             prefix += fresh(3)  # the answer, resent in the next turn
             t += 550.0 + rng.expovariate(1 / 400.0)
+    write_trace(path, lines)
+
+
+def add_session(lines, rng, fresh, key, prompt, start, turns, added, gap):
+    """Appends a session's turns to `lines`: each resends the prompt so far, then adds the answer
+    (4 blocks) and the next message (`added`: a block-count range); turns are `gap[0]` ms plus an
+    exponential of mean `gap[1]` ms apart."""
+    prompt, t = list(prompt), start
+    for _ in range(turns):
+        lines.append({"timestamp": round(t, 1), "hash_ids": list(prompt), "output_length": 32,
+                      "key": key})
+        prompt += fresh(4)  # the answer, resent in the next turn
+        prompt += fresh(rng.randint(*added))
+        t += gap[0] + rng.expovariate(1 / gap[1])
+
+
+def write_trace(path, lines):
+    """Writes a block-id trace (one JSON object a line) in arrival order."""
     lines.sort(key=lambda r: r["timestamp"])
     with open(path, "w") as f:
         for line in lines:
@@ -234,17 +252,9 @@ def kv_trace(path, ranks, seed=None):
         prompt += fresh(rng.randint(150, 700))
         u = rng.random()
         turns = 1 if u < 0.55 else 2 if u < 0.85 else 3 if u < 0.94 else rng.randint(6, 20)
-        t = start
-        for _ in range(turns):
-            lines.append({"timestamp": round(t, 1), "hash_ids": list(prompt), "output_length": 32,
-                          "key": f"kv-s{s}"})
-            prompt += fresh(4)  # the answer, resent in the next turn
-            prompt += fresh(rng.randint(8, 40))
-            t += 800.0 + rng.expovariate(1 / 600.0)
-    lines.sort(key=lambda r: r["timestamp"])
-    with open(path, "w") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+        add_session(lines, rng, fresh, f"kv-s{s}", prompt, start, turns, added=(8, 40),
+                    gap=(800.0, 600.0))
+    write_trace(path, lines)
 
 
 def agent_trace(path, ranks, seed=None):
@@ -261,17 +271,9 @@ def agent_trace(path, ranks, seed=None):
     for s in range(24 * ranks):
         start += rng.expovariate(0.8 * ranks) * 1000.0
         prompt = system + fresh(rng.randint(8, 64))
-        t = start
-        for _ in range(rng.randint(3, 12)):
-            lines.append({"timestamp": round(t, 1), "hash_ids": list(prompt), "output_length": 32,
-                          "key": f"ag-s{s}"})
-            prompt += fresh(4)  # the answer, resent in the next turn
-            prompt += fresh(rng.randint(16, 128))
-            t += 300.0 + rng.expovariate(1 / 700.0)
-    lines.sort(key=lambda r: r["timestamp"])
-    with open(path, "w") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+        add_session(lines, rng, fresh, f"ag-s{s}", prompt, start, rng.randint(3, 12),
+                    added=(16, 128), gap=(300.0, 700.0))
+    write_trace(path, lines)
 
 
 def configurations(suite, quick, trace):
@@ -323,6 +325,10 @@ def configurations(suite, quick, trace):
                 workload="kv", busy=KV_BUSY),
             cfg("agent loops behind a 96 KiB shared prompt, 4 ranks", 4, KV_AGENT, prefix_goal,
                 workload="agent", busy=KV_BUSY),
+            # At the trace's own rate nothing queues: what keeps a long shared prompt from pulling
+            # every new conversation onto its first holder is then the recent work alone.
+            cfg("agent loops behind a 96 KiB shared prompt, 4 ranks, the trace's own rate", 4,
+                KV_AGENT, prefix_goal, workload="agent"),
         ]
     return out
 

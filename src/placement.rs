@@ -7,7 +7,8 @@
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
-    choose_hash_of_two, choose_least_inflight, choose_round_robin, keep_pin, rendezvous_pair, Mode,
+    choose_hash_of_two, choose_least_inflight, choose_round_robin, clearly_less_work, keep_pin,
+    rendezvous_pair, Mode,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -86,14 +87,17 @@ pub fn plan(
     blocks: u32,
 ) -> Plan {
     let pinned = facts.key.and_then(|k| k.pinned);
-    let anchor = facts.key.map(|k| k.hash).or(facts.anchor);
+    let request = Request {
+        anchor: facts.key.map(|k| k.hash).or(facts.anchor),
+        blocks,
+    };
     let p = place(
         cfg,
         now,
         pinned,
         facts.matched.as_ref(),
         states,
-        anchor,
+        request,
         || states.and_then(|st| assign(cfg, st, now, facts, blocks)),
     );
     let rank = placed_rank(p.placed);
@@ -194,7 +198,16 @@ pub fn prefix_choice(
     states: Option<&RankStates>,
     now: u32,
 ) -> PrefixChoice {
-    prefix_choice_at(cfg, m, states, now, None, None)
+    prefix_choice_at(cfg, m, states, now, None, Request::default())
+}
+
+/// What weighing a match against the request's home needs to know of the request itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Request {
+    /// What names the home: the key's hash, or the prompt's anchor when there is no key.
+    pub anchor: Option<u64>,
+    /// The prompt's size in blocks.
+    pub blocks: u32,
 }
 
 /// [`prefix_choice`] weighed against the request's *home*: the rank the assigner gives it
@@ -207,15 +220,18 @@ pub fn prefix_choice(
 /// So a long conversation history (80 blocks) stays over a difference of a request or two, a
 /// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
 /// cluster new conversations spread by their home instead of piling onto the first rank that
-/// computed a popular prefix. `anchor`: what names the home (the key, or the prompt's anchor),
-/// for the bonus's one exception (see `outweighs_home`).
+/// computed a popular prefix. A shared prefix the home lacks also goes home, whatever it saves,
+/// once its holder was given clearly more work lately than the home (it is computed there once,
+/// then serves every conversation that comes home). `request`: what names the home (the key, or
+/// the prompt's anchor), for the bonus's one exception, and the prompt's size (see
+/// `outweighs_home`).
 pub fn prefix_choice_at(
     cfg: &Config,
     m: &Match,
     states: Option<&RankStates>,
     now: u32,
     home: Option<u32>,
-    anchor: Option<u64>,
+    request: Request,
 ) -> PrefixChoice {
     let min = cfg.prefix.min_match_blocks.max(1) as usize;
     let rank = match m.rank {
@@ -240,7 +256,7 @@ pub fn prefix_choice_at(
             PrefixChoice::SkippedFull { rank, blocks }
         }
         (Some(st), Some(home))
-            if home != rank && !outweighs_home(cfg, m, st, now, rank, home, anchor) =>
+            if home != rank && !outweighs_home(cfg, m, st, now, rank, home, request) =>
         {
             PrefixChoice::Spread { rank, blocks }
         }
@@ -257,12 +273,23 @@ fn outweighs_home(
     now: u32,
     rank: u32,
     home: u32,
-    anchor: Option<u64>,
+    request: Request,
 ) -> bool {
     let blocks = m.blocks as u64;
     // A shared prefix held at home too saves nothing by going elsewhere.
     let home_holds =
         m.branched && (m.rank == Some(home) || m.holders & table::holder_flag(home) != 0);
+    // A shared prefix the home lacks is computed there once, then serves every conversation that
+    // comes home: its blocks are a one-time cost, not each request's. So once its holder was given
+    // clearly more work lately than the home, the home takes the request and becomes a holder.
+    // Without this, at low load (nothing queued anywhere) every new conversation behind a long
+    // shared prompt — an agent's tools and instructions — piles onto the prompt's first holder.
+    if m.branched
+        && !home_holds
+        && clearly_less_work(st.recent(rank), st.recent(home), request.blocks)
+    {
+        return false;
+    }
     let saved = if home_holds { 0 } else { blocks };
     // Only extra work counts against the match: a holder idler than the home gains nothing from
     // it, or a replica that sees other loads would send the conversation elsewhere.
@@ -278,7 +305,7 @@ fn outweighs_home(
     // the first as soon as the load evens out, and lose what it had. The load term stays.
     let in_home_pair =
         |anchor| rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank));
-    let bonus = match (cfg.assign.mode, anchor) {
+    let bonus = match (cfg.assign.mode, request.anchor) {
         (Mode::Hash, Some(anchor)) if !m.branched && in_home_pair(anchor) => 0,
         (Mode::Hash, _) => cfg.prefix.home_blocks,
         _ => 0,
@@ -310,8 +337,8 @@ pub struct Placement {
 /// table), then the prefix match (`prefix`: the index lookup of this request's chain, `None`
 /// when it has none), then `assign` (the configured assigner; it returns `None` in `envoy` mode).
 /// `states` as in [`prefix_choice`]; with states, a pin is kept only while its rank is usable and
-/// under the pinned bound, else the key moves to the next choice. `anchor`: what names the
-/// request's home (its key's hash, or its prompt's anchor), as in [`prefix_choice_at`].
+/// under the pinned bound, else the key moves to the next choice. `request`: what names the
+/// request's home and its size, as in [`prefix_choice_at`].
 ///
 /// Pure: the host calls it inside the rank board's atomic update (so the choice and the
 /// in-flight count agree), or directly in `envoy` mode.
@@ -321,7 +348,7 @@ pub fn place(
     pinned: Option<u32>,
     prefix: Option<&Match>,
     states: Option<&RankStates>,
-    anchor: Option<u64>,
+    request: Request,
     assign: impl FnOnce() -> Option<u32>,
 ) -> Placement {
     if let Some(rank) = pinned {
@@ -347,7 +374,7 @@ pub fn place(
     let (choice, placed) = match states {
         Some(_) => {
             let home = assign();
-            let choice = prefix_choice_at(cfg, m, states, now, home, anchor);
+            let choice = prefix_choice_at(cfg, m, states, now, home, request);
             (choice, hit_or(choice, || home))
         }
         None => {
@@ -575,7 +602,7 @@ mod tests {
         );
         let at = |m: &Match, loads: &[u32], home| {
             let st = states(&loads.iter().map(|&n| (n, 0)).collect::<Vec<_>>());
-            prefix_choice_at(&c, m, Some(&st), 10, Some(home), None)
+            prefix_choice_at(&c, m, Some(&st), 10, Some(home), Request::default())
         };
         let shared = |blocks, rank, holders| Match {
             blocks,
@@ -605,6 +632,34 @@ mod tests {
         assert_eq!(at(&home_holds, &[0, 0, 0, 0], 2), spread(1, 160));
         // The match is at home: a hit whatever the load.
         assert_eq!(at(&matched(4, 2), &[0, 0, 9, 0], 2), hit(2, 4));
+        // A shared prefix the home lacks goes home once its holder was given clearly more work
+        // lately than the home (a request of 200 blocks: 1000 against 0 is beyond the request
+        // and sampling's margin, 300 against 0 is not), even on an idle cluster where the
+        // 192 blocks it saves outweigh any queue: the home computes it once and holds it.
+        let recent = |recent: [u32; 4]| RankStates {
+            ranks: recent
+                .iter()
+                .map(|&recent| RankLoad {
+                    inflight: 0,
+                    down_until: 0,
+                    recent,
+                })
+                .collect(),
+        };
+        let request = Request {
+            anchor: None,
+            blocks: 200,
+        };
+        let weigh =
+            |m: &Match, st: &RankStates| prefix_choice_at(&c, m, Some(st), 10, Some(2), request);
+        let worked = recent([0, 1000, 0, 0]);
+        assert_eq!(weigh(&shared(192, 1, 0), &worked), spread(1, 192));
+        assert_eq!(
+            weigh(&shared(192, 1, 0), &recent([0, 300, 0, 0])),
+            hit(1, 192)
+        );
+        // A conversation's own history is of no use to other conversations: it stays.
+        assert_eq!(weigh(&matched(192, 1), &worked), hit(1, 192));
         // Only a rendezvous home (hash mode) earns the bonus: with least_inflight, the least
         // loaded rank of the moment, a 4-block match on an idle cluster stays.
         let li = cfg(r#","assign":{"mode":"least_inflight","min_capacity":64}"#);
@@ -615,7 +670,7 @@ mod tests {
                 Some(&states(&[(0, 0); 4])),
                 10,
                 Some(2),
-                None
+                Request::default()
             ),
             hit(1, 4)
         );
@@ -625,12 +680,26 @@ mod tests {
         let d = cfg(r#","assign":{"mode":"hash","min_capacity":64}"#);
         let eight_more = states(&[(0, 0), (8, 0), (0, 0), (0, 0)]);
         assert_eq!(
-            prefix_choice_at(&d, &matched(80, 1), Some(&eight_more), 10, Some(2), None),
+            prefix_choice_at(
+                &d,
+                &matched(80, 1),
+                Some(&eight_more),
+                10,
+                Some(2),
+                Request::default()
+            ),
             hit(1, 80)
         );
         let idle = states(&[(0, 0); 4]);
         assert_eq!(
-            prefix_choice_at(&c0, &shared(4, 1, 0), Some(&idle), 10, Some(2), None),
+            prefix_choice_at(
+                &c0,
+                &shared(4, 1, 0),
+                Some(&idle),
+                10,
+                Some(2),
+                Request::default()
+            ),
             hit(1, 4)
         );
     }
@@ -643,7 +712,15 @@ mod tests {
         let never = || -> Option<u32> { panic!("the assigner must not run") };
         // A kept pin wins; the prefix is not even consulted.
         assert_eq!(
-            place(&c, 0, Some(1), Some(&m), Some(&idle), None, never),
+            place(
+                &c,
+                0,
+                Some(1),
+                Some(&m),
+                Some(&idle),
+                Request::default(),
+                never
+            ),
             Placement {
                 placed: Placed::Pin(1),
                 prefix: None
@@ -651,7 +728,15 @@ mod tests {
         );
         // No pin: the prefix (16 blocks outweigh the home's bonus on an idle cluster).
         assert_eq!(
-            place(&c, 0, None, Some(&m), Some(&idle), None, || Some(0)),
+            place(
+                &c,
+                0,
+                None,
+                Some(&m),
+                Some(&idle),
+                Request::default(),
+                || Some(0)
+            ),
             Placement {
                 placed: Placed::Prefix {
                     rank: 3,
@@ -666,7 +751,16 @@ mod tests {
         // A pin over the pinned bound (rank 1: 9 of 9 in flight) moves to the prefix's rank.
         let pin_busy = states(&[(0, 0), (9, 0), (0, 0), (0, 0)]);
         assert_eq!(
-            place(&c, 0, Some(1), Some(&m), Some(&pin_busy), None, || Some(0)).placed,
+            place(
+                &c,
+                0,
+                Some(1),
+                Some(&m),
+                Some(&pin_busy),
+                Request::default(),
+                || Some(0)
+            )
+            .placed,
             Placed::Prefix {
                 rank: 3,
                 blocks: 16
@@ -675,7 +769,15 @@ mod tests {
         // The prefix's rank full: the assigner decides, and the skip is reported.
         let prefix_busy = states(&[(0, 0), (0, 0), (0, 0), (5, 0)]);
         assert_eq!(
-            place(&c, 0, None, Some(&m), Some(&prefix_busy), None, || Some(0)),
+            place(
+                &c,
+                0,
+                None,
+                Some(&m),
+                Some(&prefix_busy),
+                Request::default(),
+                || Some(0)
+            ),
             Placement {
                 placed: Placed::Assigned(Some(0)),
                 prefix: Some(PrefixChoice::SkippedFull {
@@ -692,7 +794,7 @@ mod tests {
                 None,
                 Some(&Match::default()),
                 Some(&idle),
-                None,
+                Request::default(),
                 || Some(2)
             ),
             Placement {
@@ -701,7 +803,7 @@ mod tests {
             }
         );
         assert_eq!(
-            place(&c, 0, None, None, Some(&idle), None, || None),
+            place(&c, 0, None, None, Some(&idle), Request::default(), || None),
             Placement {
                 placed: Placed::Assigned(None),
                 prefix: None
@@ -710,11 +812,20 @@ mod tests {
         // Envoy mode: no states, a pin always holds, a match always routes.
         let envoy = cfg(ENVOY_MODE);
         assert_eq!(
-            place(&envoy, 0, Some(0), Some(&m), None, None, never).placed,
+            place(
+                &envoy,
+                0,
+                Some(0),
+                Some(&m),
+                None,
+                Request::default(),
+                never
+            )
+            .placed,
             Placed::Pin(0)
         );
         assert_eq!(
-            place(&envoy, 0, None, Some(&m), None, None, never).placed,
+            place(&envoy, 0, None, Some(&m), None, Request::default(), never).placed,
             Placed::Prefix {
                 rank: 3,
                 blocks: 16
@@ -739,14 +850,14 @@ mod tests {
         // is recorded under rank 2.
         let first = chain_of("How do I reset my password?");
         let m = idx.longest_match(&s, first.hashes(), 100, c.dp_size);
-        let p = place(&c, 100, None, Some(&m), None, None, || None);
+        let p = place(&c, 100, None, Some(&m), None, Request::default(), || None);
         assert_eq!(p.prefix, Some(PrefixChoice::Miss));
         idx.record(&s, first.hashes(), 2, 100, &m);
         // Another user message after the same system prompt: the prefix sends it to rank 2.
         let second = chain_of("Where is my invoice?");
         let m = idx.longest_match(&s, second.hashes(), 101, c.dp_size);
         assert!(m.blocks * 64 >= system.len() * 2 / 3, "{} blocks", m.blocks);
-        let p = place(&c, 101, None, Some(&m), None, None, || None);
+        let p = place(&c, 101, None, Some(&m), None, Request::default(), || None);
         assert!(matches!(p.placed, Placed::Prefix { rank: 2, .. }), "{p:?}");
         // An unrelated prompt shares nothing.
         let body = system_chat(&"Translate to French. ".repeat(200), "Hello");

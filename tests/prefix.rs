@@ -2,7 +2,8 @@
 //! a real Envoy (2 workers) in front of 4 mock ranks. Requests without a routing key that share a
 //! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
 //! a shared prefix yields to an idler rank while conversations stay on theirs; conversations of
-//! short turns keep one rank;
+//! short turns keep one rank; a long shared prompt is copied to the homes of new sessions on a
+//! quiet cluster instead of pulling them all onto its first holder;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
 //! (`cargo test --test prefix -- --nocapture` prints what each scenario measured.)
@@ -47,6 +48,45 @@ fn chat_with(system: &str, user: &str) -> Request {
             { "role": "user", "content": user },
         ],
     }))
+}
+
+/// The first prompts of `sessions` agent sessions: one shared prompt of exactly 96 KiB (a coding
+/// agent's instructions and tools), then each session's own task (2 KiB).
+fn agent_sessions(sessions: usize) -> Vec<String> {
+    let mut shared = String::from("You are a coding agent. Tools: ");
+    for n in 0.. {
+        if shared.len() >= 96 * 1024 {
+            break;
+        }
+        shared.push_str(&format!(
+            "tool_{n}(path, pattern) searches the repository; "
+        ));
+    }
+    shared.truncate(96 * 1024);
+    (0..sessions)
+        .map(|s| {
+            format!(
+                "{shared}\n{}",
+                format!("Task {s}: fix failing test {s}. ").repeat(64)
+            )
+        })
+        .collect()
+}
+
+/// From each conversation's ranks turn by turn: its first turns per rank, and the conversations
+/// that moved.
+fn homes_and_moves(ranks: &[Vec<u32>]) -> (Vec<usize>, Vec<&Vec<u32>>) {
+    let moved = ranks
+        .iter()
+        .filter(|r| r.iter().any(|&x| x != r[0]))
+        .collect();
+    (per_rank(ranks.iter().map(|r| r[0])), moved)
+}
+
+/// A keyless completions request for 8 tokens.
+fn completion(prompt: &str) -> Request {
+    Request::post("/v1/completions")
+        .json(&json!({ "model": "mock", "prompt": prompt, "max_tokens": 8 }))
 }
 
 fn per_rank(ranks: impl IntoIterator<Item = u32>) -> Vec<usize> {
@@ -316,11 +356,7 @@ fn conversations_of_short_turns_keep_their_rank() {
                 history.push(json!({ "role": "assistant", "content": answer }));
             }
         }
-        let moved: Vec<&Vec<u32>> = ranks
-            .iter()
-            .filter(|r| r.iter().any(|&x| x != r[0]))
-            .collect();
-        let homes = per_rank(ranks.iter().map(|r| r[0]));
+        let (homes, moved) = homes_and_moves(&ranks);
         println!(
             "{system_bytes} B system prompt, {CONVERSATIONS} conversations x {TURNS} short turns: \
              first turns per rank {homes:?}, {} moved: {moved:?}",
@@ -357,28 +393,8 @@ fn agent_sessions_behind_a_long_shared_prompt_keep_their_rank() {
         })))
         .mock_args(&["--stream-interval-ms", "250"]),
     );
-    let mut shared = String::from("You are a coding agent. Tools: ");
-    let mut n = 0;
-    while shared.len() < 96 * 1024 {
-        shared.push_str(&format!(
-            "tool_{n}(path, pattern) searches the repository; "
-        ));
-        n += 1;
-    }
-    shared.truncate(96 * 1024);
-    let mut prompts: Vec<String> = (0..SESSIONS)
-        .map(|s| {
-            format!(
-                "{shared}\n{}",
-                format!("Task {s}: fix failing test {s}. ").repeat(64)
-            )
-        })
-        .collect();
-    let send = |prompt: &str| {
-        let request = Request::post("/v1/completions")
-            .json(&json!({ "model": "mock", "prompt": prompt, "max_tokens": 8 }));
-        served_rank(&stack.send(&request))
-    };
+    let mut prompts = agent_sessions(SESSIONS);
+    let send = |prompt: &str| served_rank(&stack.send(&completion(prompt)));
     let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); SESSIONS];
     ranks[0].push(send(&prompts[0]));
     settle();
@@ -406,11 +422,7 @@ fn agent_sessions_behind_a_long_shared_prompt_keep_their_rank() {
             ranks[s].push(send(prompt));
         }
     }
-    let moved: Vec<&Vec<u32>> = ranks
-        .iter()
-        .filter(|r| r.iter().any(|&x| x != r[0]))
-        .collect();
-    let homes = per_rank(ranks.iter().map(|r| r[0]));
+    let (homes, moved) = homes_and_moves(&ranks);
     println!(
         "{SESSIONS} agent sessions x {} turns: first turns per rank {homes:?}, {} moved: \
          {moved:?}",
@@ -422,6 +434,41 @@ fn agent_sessions_behind_a_long_shared_prompt_keep_their_rank() {
         "the busy rank was not avoided: {homes:?}"
     );
     assert!(moved.is_empty(), "sessions moved between turns: {moved:?}");
+}
+
+/// On a quiet cluster (one request at a time, nothing ever queued), new agent sessions behind a
+/// long shared prompt go to their own homes once the prompt's first holder was given clearly more
+/// work lately: each home computes the shared 96 KiB once and holds it, instead of every session
+/// piling onto the rank that saw it first (no queue ever forms there to say it is busy). Each
+/// session's next turn then stays where its first went.
+#[test]
+fn a_long_shared_prompt_spreads_to_the_sessions_homes_on_a_quiet_cluster() {
+    const SESSIONS: usize = 16;
+    let stack = Stack::start(
+        "prefix_long_shared_prompt_spreads",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let mut prompts = agent_sessions(SESSIONS);
+    let send = |prompt: &str| served_rank(&stack.send(&completion(prompt)));
+    let firsts: Vec<u32> = prompts.iter().map(|p| send(p)).collect();
+    let nexts: Vec<u32> = prompts
+        .iter_mut()
+        .enumerate()
+        .map(|(s, prompt)| {
+            prompt.push_str(&format!("step result {s}: done. ").repeat(64));
+            send(prompt)
+        })
+        .collect();
+    let homes = per_rank(firsts.iter().copied());
+    println!("{SESSIONS} sessions behind a 96 KiB shared prompt, one at a time: first turns per rank {homes:?}; next turns {nexts:?}");
+    assert!(
+        homes.iter().all(|&n| n <= SESSIONS / 2) && homes.iter().filter(|&&n| n > 0).count() >= 3,
+        "new sessions piled onto the shared prompt's holder: {homes:?}"
+    );
+    assert_eq!(
+        nexts, firsts,
+        "sessions moved between their first and second turn"
+    );
 }
 
 // ---------------------------------------------------------------- (d)
