@@ -221,8 +221,9 @@ pub struct Request {
 /// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
 /// cluster new conversations spread by their home instead of piling onto the first rank that
 /// computed a popular prefix. A shared prefix the home lacks also goes home, whatever it saves,
-/// once its holder was given clearly more work lately than the home (it is computed there once,
-/// then serves every conversation that comes home). `request`: what names the home (the key, or
+/// once its holder runs hot against the home (see `runs_hot`: clearly more work lately and at
+/// least `HOT_FACTOR` times as much; it is computed at home once, then serves every
+/// conversation that comes home). `request`: what names the home (the key, or
 /// the prompt's anchor), for the bonus's one exception, and the prompt's size (see
 /// `outweighs_home`).
 pub fn prefix_choice_at(

@@ -64,10 +64,12 @@
 //!   prompt indexes its tail there, so that the first other conversation behind the same long
 //!   prefix, which matches all of its grid positions, finds that it went on differently (and,
 //!   recording its own, marks `m` branched for every later one). Elsewhere a conversation's own
-//!   grid positions tell it from its neighbours already. Cost: the fine search's reads (one for
-//!   a new conversation behind a short system prompt: 4 blocks have one fine position, 5, below
-//!   6), and one write per fine position a conversation passes, once ([`Match::fine_base`]
-//!   carries the base from the lookup to the writes).
+//!   grid positions tell it from its neighbours already. Cost: the fine search's reads — a
+//!   prompt going past the deepest grid position it matched searches that position's fine
+//!   positions too, so a conversation's next turn usually costs 2–3 reads rather than the 1
+//!   above (one more for a new conversation behind a short system prompt: 4 blocks have one
+//!   fine position, 5, below 6) — and one write per fine position a conversation passes, once
+//!   ([`Match::fine_base`] carries the base from the lookup to the writes).
 //!
 //! Each hash maps to one rank: the last to record a position beyond what it matched. A request
 //! placed elsewhere than its match (the matched rank was full) records only the positions beyond
@@ -405,9 +407,11 @@ impl PrefixIndex {
         )
     }
 
-    /// After `rank` failed this request: removes the matched positions that still point at it,
-    /// top down, so the next request sharing the prefix is placed afresh. Entries re-pointed
-    /// elsewhere since are kept. One read per position up to the match, a write per removal.
+    /// After `rank` failed this request: removes the positions up to the match that still point
+    /// at it — every grid position and every fine position — top down, so the next request
+    /// sharing the prefix is placed afresh. Entries re-pointed elsewhere since are kept. One read
+    /// per position (74 for a 512-block chain with the defaults; a rank failure is rare), a write
+    /// per removal.
     pub fn forget(
         &self,
         store: &dyn Store,
@@ -418,11 +422,15 @@ impl PrefixIndex {
         if matched.rank != Some(rank) {
             return TableEvents::default();
         }
-        // With the tail's fine positions: whatever this chain may have recorded there.
-        let matched_positions = self
-            .indexed(matched.blocks.min(chain.len()), matched.fine_base, true)
-            .rev();
-        self.unpin_all(store, chain, rank, matched_positions)
+        // Every grid position's fine positions, not only this lookup's: an earlier turn of the
+        // conversation recorded those of the shared prefix it matched then, and with the grid
+        // entries above them gone, the next lookup would find them on the failed rank.
+        let len = matched.blocks.min(chain.len());
+        let every_position = self
+            .positions(len)
+            .iter()
+            .flat_map(|&p| std::iter::once(p).chain(self.fine_positions(p as usize, len)));
+        self.unpin_all(store, chain, rank, every_position.rev())
     }
 
     /// Removes the entries of `chain` at `positions` that still point at `rank` (one read each,
@@ -1096,6 +1104,48 @@ mod tests {
         idx.forget(&s, &a, 2, &m);
         let after = idx.longest_match(&s, &a, 1000, 4);
         assert_eq!((after.blocks, after.rank), (0, None));
+    }
+
+    #[test]
+    fn forget_removes_earlier_turns_fine_positions_too() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        let system = random_chain(1, 192, &[], 0);
+        let conv = |tag| random_chain(tag, 300, &system, 192);
+        let turn = |c: &[u64], len: usize, rank| {
+            let m = idx.longest_match(&s, &c[..len], 1000, 4);
+            idx.record(&s, &c[..len], rank, 1000, &m);
+            m
+        };
+        turn(&conv(10), 200, 1);
+        turn(&conv(20), 260, 2);
+        // A conversation on rank 3 records fine positions behind the shared 192 blocks (193 …
+        // 224), then crosses the grid position 256 and records its fine positions too.
+        let a = conv(30);
+        for len in [200, 230, 260] {
+            turn(&a, len, 3);
+        }
+        let m = idx.longest_match(&s, &a[..270], 1000, 4);
+        assert_eq!((m.blocks, m.rank), (256, Some(3)));
+        // Rank 3 fails the next turn: the whole chain is forgotten there, as the host does.
+        let all = Match {
+            blocks: 270,
+            rank: Some(3),
+            fine_base: m.fine_base,
+            ..Match::default()
+        };
+        idx.forget(&s, &a[..270], 3, &all);
+        let after = idx.longest_match(&s, &a[..280], 1000, 4);
+        assert_ne!(
+            after.rank,
+            Some(3),
+            "an earlier turn's entry still points at the failed rank: {after:?}"
+        );
+        assert_eq!(
+            after.blocks, 192,
+            "the shared prefix is still found: {after:?}"
+        );
     }
 
     #[test]
