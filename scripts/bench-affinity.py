@@ -325,6 +325,8 @@ def configurations(suite, quick, trace):
                 workload="kv", busy=KV_BUSY),
             cfg("agent loops behind a 96 KiB shared prompt, 4 ranks", 4, KV_AGENT, prefix_goal,
                 workload="agent", busy=KV_BUSY),
+            cfg("agent loops behind a 96 KiB shared prompt, 4 ranks, 2 Envoy replicas", 4, KV_AGENT,
+                prefix_goal, replicas=2, workload="agent", busy=KV_BUSY),
             # At the trace's own rate nothing queues: what keeps a long shared prompt from pulling
             # every new conversation onto its first holder is then the recent work alone.
             cfg("agent loops behind a 96 KiB shared prompt, 4 ranks, the trace's own rate", 4,
