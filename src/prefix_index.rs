@@ -823,52 +823,75 @@ mod tests {
         assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));
     }
 
+    /// An index (64 x 16) holding 192 shared blocks (a grid position; the next one is 256)
+    /// behind which two conversations went on: one to 200 blocks on rank 1, one past 256 on rank
+    /// 2, so the shared prefix is branched.
+    struct BehindShared {
+        s: MemStore,
+        idx: PrefixIndex,
+        system: Vec<u64>,
+    }
+
+    impl BehindShared {
+        fn new() -> Self {
+            let fx = BehindShared {
+                s: MemStore::default(),
+                idx: PrefixIndex::new(&index_cfg(64, 16)),
+                system: random_chain(1, 192, &[], 0),
+            };
+            fx.idx.table().ensure_buckets(&fx.s);
+            fx.turn(&fx.conv(10), 200, 1);
+            fx.turn(&fx.conv(20), 260, 2);
+            fx
+        }
+
+        /// A conversation of 300 blocks behind the shared ones.
+        fn conv(&self, tag: u64) -> Vec<u64> {
+            random_chain(tag, 300, &self.system, 192)
+        }
+
+        /// A turn of `len` blocks of `c`, looked up and recorded on `rank`.
+        fn turn(&self, c: &[u64], len: usize, rank: u32) -> Match {
+            let m = self.idx.longest_match(&self.s, &c[..len], 1000, 4);
+            self.idx.record(&self.s, &c[..len], rank, 1000, &m);
+            m
+        }
+    }
+
     #[test]
     fn history_behind_a_shared_prefix_is_found_at_fine_positions() {
-        let s = MemStore::default();
-        let idx = PrefixIndex::new(&index_cfg(64, 16));
-        idx.table().ensure_buckets(&s);
-        // 192 shared blocks (a grid position; the next one is 256), then each conversation's own.
-        let system = random_chain(1, 192, &[], 0);
-        let conv = |tag| random_chain(tag, 300, &system, 192);
-        let turn = |c: &[u64], len: usize, rank| {
-            let m = idx.longest_match(&s, &c[..len], 1000, 4);
-            idx.record(&s, &c[..len], rank, 1000, &m);
-            m
-        };
-        // A first conversation records the prefix; a second one past 256 makes it branched.
-        turn(&conv(10), 200, 1);
-        turn(&conv(20), 260, 2);
-        let a = conv(30);
-        let m = turn(&a, 200, 3);
+        let fx = BehindShared::new();
+        let BehindShared { s, idx, .. } = &fx;
+        let a = fx.conv(30);
+        let m = fx.turn(&a, 200, 3);
         assert_eq!((m.blocks, m.branched, m.fine_base), (192, true, 192));
         // Its next turns find their own history (unbranched, on its rank) at the fine positions
         // 193 194 196 200 208 224, before and after they cross the grid position 256.
         for (len, want) in [(205, 200), (230, 200), (255, 224), (270, 224)] {
-            let m = turn(&a, len, 3);
+            let m = fx.turn(&a, len, 3);
             assert_eq!(
                 (m.blocks, m.rank, m.branched),
                 (want, Some(3), false),
                 "len {len}"
             );
         }
-        let m = idx.longest_match(&s, &a[..280], 1000, 4);
+        let m = idx.longest_match(s, &a[..280], 1000, 4);
         assert_eq!((m.blocks, m.rank), (256, Some(3)), "past 256: the grid");
         // Another conversation sharing only the prefix does not take a's history for its own,
         // and what it added is withdrawn, fine positions included, when it is not served.
-        let b = conv(40);
-        let m = idx.longest_match(&s, &b[..230], 1000, 4);
+        let b = fx.conv(40);
+        let m = idx.longest_match(s, &b[..230], 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (192, Some(1), true));
         assert_eq!(idx.writes_needed(230, &m), 6, "193 194 196 200 208 224");
-        idx.record_positions(&s, &b[..230], 0, 1000, &m);
-        assert_eq!(idx.longest_match(&s, &b[..230], 1000, 4).blocks, 224);
-        idx.withdraw(&s, &b[..230], 0, &m);
-        assert_eq!(idx.longest_match(&s, &b[..230], 1000, 4).blocks, 192);
+        idx.record_positions(s, &b[..230], 0, 1000, &m);
+        assert_eq!(idx.longest_match(s, &b[..230], 1000, 4).blocks, 224);
+        idx.withdraw(s, &b[..230], 0, &m);
+        assert_eq!(idx.longest_match(s, &b[..230], 1000, 4).blocks, 192);
         // A failed rank forgets the fine positions it held for the request too.
-        let m = idx.longest_match(&s, &a[..255], 1000, 4);
+        let m = idx.longest_match(s, &a[..255], 1000, 4);
         let all = Match { blocks: 255, ..m };
-        idx.forget(&s, &a[..255], 3, &all);
-        let m = idx.longest_match(&s, &a[..255], 1000, 4);
+        idx.forget(s, &a[..255], 3, &all);
+        let m = idx.longest_match(s, &a[..255], 1000, 4);
         assert_eq!((m.blocks, m.branched), (192, true));
     }
 
@@ -1108,25 +1131,15 @@ mod tests {
 
     #[test]
     fn forget_removes_earlier_turns_fine_positions_too() {
-        let s = MemStore::default();
-        let idx = PrefixIndex::new(&index_cfg(64, 16));
-        idx.table().ensure_buckets(&s);
-        let system = random_chain(1, 192, &[], 0);
-        let conv = |tag| random_chain(tag, 300, &system, 192);
-        let turn = |c: &[u64], len: usize, rank| {
-            let m = idx.longest_match(&s, &c[..len], 1000, 4);
-            idx.record(&s, &c[..len], rank, 1000, &m);
-            m
-        };
-        turn(&conv(10), 200, 1);
-        turn(&conv(20), 260, 2);
+        let fx = BehindShared::new();
+        let BehindShared { s, idx, .. } = &fx;
         // A conversation on rank 3 records fine positions behind the shared 192 blocks (193 …
         // 224), then crosses the grid position 256 and records its fine positions too.
-        let a = conv(30);
+        let a = fx.conv(30);
         for len in [200, 230, 260] {
-            turn(&a, len, 3);
+            fx.turn(&a, len, 3);
         }
-        let m = idx.longest_match(&s, &a[..270], 1000, 4);
+        let m = idx.longest_match(s, &a[..270], 1000, 4);
         assert_eq!((m.blocks, m.rank), (256, Some(3)));
         // Rank 3 fails the next turn: the whole chain is forgotten there, as the host does.
         let all = Match {
@@ -1135,8 +1148,8 @@ mod tests {
             fine_base: m.fine_base,
             ..Match::default()
         };
-        idx.forget(&s, &a[..270], 3, &all);
-        let after = idx.longest_match(&s, &a[..280], 1000, 4);
+        idx.forget(s, &a[..270], 3, &all);
+        let after = idx.longest_match(s, &a[..280], 1000, 4);
         assert_ne!(
             after.rank,
             Some(3),
