@@ -407,8 +407,9 @@ impl PrefixIndex {
         )
     }
 
-    /// After `rank` failed this request: removes the positions up to the match that still point
-    /// at it — every grid position and every fine position — top down, so the next request
+    /// After `rank` failed this request: removes the positions up to the match (`matched.blocks`;
+    /// only its `rank` and length are read) that still point at it — every grid position and
+    /// every fine position — top down, so the next request
     /// sharing the prefix is placed afresh. Entries re-pointed elsewhere since are kept. One read
     /// per position (74 for a 512-block chain with the defaults; a rank failure is rare), a write
     /// per removal.
@@ -1145,7 +1146,6 @@ mod tests {
         let all = Match {
             blocks: 270,
             rank: Some(3),
-            fine_base: m.fine_base,
             ..Match::default()
         };
         idx.forget(s, &a[..270], 3, &all);

@@ -437,10 +437,10 @@ fn agent_sessions_behind_a_long_shared_prompt_keep_their_rank() {
 }
 
 /// On a quiet cluster (one request at a time, nothing ever queued), new agent sessions behind a
-/// long shared prompt go to their own homes once the prompt's first holder was given clearly more
-/// work lately: each home computes the shared 96 KiB once and holds it, instead of every session
-/// piling onto the rank that saw it first (no queue ever forms there to say it is busy). Each
-/// session's next turn then stays where its first went.
+/// long shared prompt go to their own homes once the prompt's first holder runs hot (clearly more
+/// work lately than the home, and at least twice as much): each home computes the shared 96 KiB
+/// once and holds it, instead of every session piling onto the rank that saw it first (no queue
+/// ever forms there to say it is busy). Each session's next turn then stays where its first went.
 #[test]
 fn a_long_shared_prompt_spreads_to_the_sessions_homes_on_a_quiet_cluster() {
     const SESSIONS: usize = 16;

@@ -1129,7 +1129,6 @@ impl Filter {
         let all = Match {
             blocks: state.chain.len(),
             rank: Some(rank),
-            fine_base: state.matched.fine_base,
             ..Match::default()
         };
         let store = IndexStore::new(&rt.counters);
