@@ -115,13 +115,15 @@ validate: tools build
 	"$(PYTHON)" scripts/validate-deploy.py
 	"$(PYTHON)" scripts/test-validate-deploy.py
 
-# Native unit tests of every workspace member (library and binary targets, then doc tests).
+# Native unit tests of every workspace member (library and binary targets, then doc tests), and
+# the trace converter's (scripts/test-convert-trace.py).
 # The library's include `module_graph::the_crate_has_no_import_cycle`: no module of src/ imports
 # one that imports it back.
 # Integration tests (tests/*.rs) are the e2e target's job, so they are not run twice.
 unit:
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p dp-affinity --doc
+	python3 scripts/test-convert-trace.py
 
 e2e: tools build wasm-fault
 	$(CARGO) test $(E2E_PROFILE) -p dp-affinity --test '*'

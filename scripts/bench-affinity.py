@@ -147,6 +147,16 @@ MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token"
               "--max-concurrency", str(SLOTS)]
 # The kv suite's load: Envoy round robin keeps the ranks this busy (see load_speed).
 KV_BUSY = 0.8
+# A public trace in the kv suite (`--suite kv --trace FILE`): the keyless policies, and the keyed
+# ones when every request of the trace names its session.
+KV_TRACE_KEYLESS = ["filter-shipped", "envoy-lr", "envoy-rr", "gateway-cache-aware"]
+KV_TRACE_KEYED = ["filter-shipped-keyed", "envoy-hash", "gateway-manual"]
+
+
+def trace_has_keys(path):
+    """Whether every request of a JSONL trace has a session key."""
+    with open(path) as f:
+        return all("key" in json.loads(line) for line in f if line.strip())
 
 
 def chat_workload(ranks, quick):
@@ -314,6 +324,15 @@ def configurations(suite, quick, trace):
                     prefix_goal, replicas=2),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]
+    # A public block-id trace (see scripts/convert-trace.py) replayed the way the kv suite
+    # replays its own: at 80 % load, 4 and 8 ranks, one and two replicas.
+    if suite == "kv" and trace:
+        name = os.path.basename(trace)
+        policies = KV_TRACE_KEYLESS + (KV_TRACE_KEYED if trace_has_keys(trace) else [])
+        for ranks, replicas in [(4, 1), (8, 1), (4, 2), (8, 2)]:
+            label = f"{name}, {ranks} ranks" + (f", {replicas} Envoy replicas" if replicas > 1 else "")
+            out.append(cfg(label, ranks, policies, prefix_goal, replicas=replicas, workload=trace,
+                           busy=KV_BUSY))
     # Not part of "all" (make bench stays under 10 minutes): `--suite kv`, ~15 minutes.
     if suite == "kv" and not trace:
         out += [
@@ -620,7 +639,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="4 ranks, a few policies, short workload")
     ap.add_argument("--check", action="store_true", help="smoke test: fail unless the filter beats round robin")
     ap.add_argument("--suite", choices=["keyed", "prefix", "kv", "all"], default="all")
-    ap.add_argument("--trace", help="prefix suite: replay this JSONL trace instead of the built-in workloads")
+    ap.add_argument("--trace", help="replay this JSONL trace instead of the built-in workloads: with the prefix "
+                    "suite at its own rate on 4 ranks, with the kv suite at 80 %% load on 4 and 8 ranks, one and "
+                    "two replicas (a public trace: see scripts/convert-trace.py)")
     ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"), help="results folder")
     ap.add_argument("--policies", help="comma-separated subset of the policies to run")
     ap.add_argument("--ranks", type=int, help="run only the configurations with this many ranks")
