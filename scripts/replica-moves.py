@@ -10,6 +10,13 @@ Behind two replicas this tells the loss of a placement apart: a turn moved by it
 
   scripts/replica-moves.py results/affinity-<UTC>/*2Envoyreplicas*filter-shipped.requests.jsonl
   scripts/replica-moves.py --sessions FILE   # also list the sessions that moved, turn by turn
+  scripts/replica-moves.py --trace T FILE    # a keyless trace: sessions from the prompts of T
+
+A trace without keys (Mooncake's) names no sessions; `--trace` (the JSONL the run replayed)
+infers them from its prompts: a request continues the latest earlier one whose prompt, all but
+its last `--tail-ids` block ids, begins its own (a trace's last block is partial and hashed
+anew once the next turn extends it: 32 of the bench's 16-token ids for Mooncake's 512-token
+blocks) and reaches past that many ids (so a shared opening block alone makes no session).
 
 Nothing is started; it only reads the files.
 """
@@ -19,8 +26,33 @@ import json
 import sys
 
 
-def sessions(path):
-    """Records of answered requests grouped by session key, each list in send order."""
+def trace_sessions(path, tail):
+    """Trace line (1-based) -> inferred session, for the trace's rows without a key."""
+    ends, session = {}, {}  # chain hash of a prompt cut 0..tail ids short -> its line
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if row.get("key") is not None:
+                continue
+            ids, chain, parent = row["hash_ids"], 0, None
+            prefixes = []
+            for depth, block in enumerate(ids, 1):
+                chain = hash((chain, block))
+                prefixes.append(chain)
+                if depth > tail and chain in ends:
+                    parent = ends[chain]
+            session[line_no] = session[parent] if parent else f"line-{line_no}"
+            for cut in range(min(tail, len(prefixes) - 1) + 1):
+                ends[prefixes[len(prefixes) - 1 - cut]] = line_no
+    return session
+
+
+def sessions(path, inferred=None):
+    """Records of answered requests grouped by session key (for keyless requests, the
+    `inferred` session of their trace line when given), each list in send order."""
+    inferred = inferred or {}
     by_key = collections.defaultdict(list)
     with open(path) as f:
         for line in f:
@@ -29,7 +61,8 @@ def sessions(path):
                 continue
             r = json.loads(line)
             if r.get("status") == 200 and r.get("rank") is not None:
-                by_key[r["key"]].append(r)
+                key = r["key"] if r["key"] is not None else inferred.get(r.get("line"))
+                by_key[key].append(r)
     for turns in by_key.values():
         turns.sort(key=lambda r: r["scheduled_ms"])
     return by_key
@@ -49,8 +82,8 @@ def transitions(by_key):
     return counts, lost
 
 
-def report(path, show_sessions):
-    by_key = sessions(path)
+def report(path, show_sessions, inferred):
+    by_key = sessions(path, inferred)
     counts, lost = transitions(by_key)
     total = sum(r["prompt_tokens"] for turns in by_key.values() for r in turns)
     print(f"## {path}")
@@ -75,10 +108,17 @@ def main():
     ap.add_argument("files", nargs="+", help="*.requests.jsonl written by bench-affinity.py")
     ap.add_argument("--sessions", action="store_true",
                     help="list every session whose rank changed: e<replica>r<rank>:<prompt>/<cached> per turn")
+    ap.add_argument("--trace", help="the JSONL trace the run replayed: sessions of keyless requests from its prompts")
+    ap.add_argument("--tail-ids", type=int, default=32,
+                    help="trailing block ids of a prompt its next turn may not repeat (default 32)")
     args = ap.parse_args()
+    try:
+        inferred = trace_sessions(args.trace, args.tail_ids) if args.trace else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"{args.trace}: {e}")
     for path in args.files:
         try:
-            report(path, args.sessions)
+            report(path, args.sessions, inferred)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"{path}: {e}")
 
