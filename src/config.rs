@@ -646,7 +646,8 @@ pub struct AssignConfig {
     pub seed: u64,
     /// The bound for new keys (`load_factor`, `min_capacity`).
     pub new_key_bound: Bound,
-    /// The bound under which a pinned key stays (`pinned_load_factor`, `min_capacity`).
+    /// The bound under which a pinned key stays (`pinned_load_factor`, and `min_capacity` ×
+    /// `pinned_load_factor` / `load_factor` as its floor: see [`pinned_floor`]).
     pub pinned_bound: Bound,
     pub cooldown_seconds: u32,
     /// Upstream errors from this many requests the filter placed on a rank, within
@@ -863,6 +864,20 @@ fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
     })
 }
 
+/// The pinned bound's floor: `min_capacity` scaled like the factor (× pinned / new-key factor),
+/// so that at low load, where both bounds sit on their floors, the work new conversations may
+/// bring a rank (up to `min_capacity` in flight) never fills it for the conversations it already
+/// holds: with one floor for both, a rank given new homes up to the floor dropped its histories
+/// at the same count.
+fn pinned_floor(min_capacity: u32, load_factor: f64, pinned_load_factor: f64) -> u32 {
+    let floor = (f64::from(min_capacity) * pinned_load_factor / load_factor).ceil();
+    if floor.is_finite() && floor >= f64::from(min_capacity) {
+        floor.min(f64::from(u32::MAX)) as u32
+    } else {
+        min_capacity
+    }
+}
+
 fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     let mode = match raw.mode.as_str() {
         "envoy" => Mode::Envoy,
@@ -906,7 +921,7 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
         },
         pinned_bound: Bound {
             factor: raw.pinned_load_factor,
-            floor: raw.min_capacity,
+            floor: pinned_floor(raw.min_capacity, raw.load_factor, raw.pinned_load_factor),
         },
         cooldown_seconds: raw.cooldown_seconds,
         failure_threshold: raw.failure_threshold,
@@ -1332,8 +1347,26 @@ mod tests {
             (1.25, 2.0)
         );
         assert_eq!(c.assign.new_key_bound.floor, 8);
+        // The pinned floor scales like the factor: ceil(8 × 2.0 / 1.25) = 13.
+        assert_eq!(c.assign.pinned_bound.floor, 13);
         assert_eq!(c.assign.cooldown_seconds, 10);
         assert_eq!(c.target, TargetMode::Cluster);
+    }
+
+    #[test]
+    fn pinned_floor_scales_like_the_factor() {
+        assert_eq!(pinned_floor(8, 1.25, 2.0), 13);
+        assert_eq!(pinned_floor(1, 1.25, 2.0), 2);
+        assert_eq!(pinned_floor(8, 1.5, 1.5), 8, "equal factors, equal floors");
+        assert_eq!(pinned_floor(0, 1.25, 2.0), 0);
+        assert_eq!(pinned_floor(u32::MAX, 1.0, 100.0), u32::MAX, "saturates");
+        let c =
+            parse(r#"{"dp_size": 4, "assign": {"min_capacity": 4, "pinned_load_factor": 3.0}}"#)
+                .unwrap();
+        assert_eq!(
+            (c.assign.new_key_bound.floor, c.assign.pinned_bound.floor),
+            (4, 10)
+        );
     }
 
     #[test]
