@@ -41,8 +41,10 @@ def session_of(row, roots):
 
 def convert(lines, block_tokens, requests, skip, max_output):
     """The converted rows (dicts), in arrival order."""
-    if block_tokens % BENCH_BLOCK_TOKENS:
-        raise ValueError(f"--block-tokens must be a multiple of {BENCH_BLOCK_TOKENS}")
+    if block_tokens <= 0 or block_tokens % BENCH_BLOCK_TOKENS:
+        raise ValueError(f"--block-tokens must be a positive multiple of {BENCH_BLOCK_TOKENS}")
+    if requests < 0 or skip < 0 or max_output < 0:
+        raise ValueError("--requests, --skip and --max-output must not be negative")
     split = block_tokens // BENCH_BLOCK_TOKENS
     rows, roots = [], {}
     for n, line in enumerate(lines, 1):

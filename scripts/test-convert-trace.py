@@ -58,12 +58,15 @@ def test_bad_input_is_refused_with_its_line():
             assert "line 1" in str(e), e
         else:
             raise AssertionError(f"accepted {bad!r}")
-    try:
-        ct.convert([], block_tokens=24, requests=0, skip=0, max_output=32)
-    except ValueError as e:
-        assert "multiple of 16" in str(e), e
-    else:
-        raise AssertionError("accepted 24-token blocks")
+    for blocks, requests, skip, why in [(24, 0, 0, "multiple of 16"), (0, 0, 0, "multiple of 16"),
+                                        (-16, 0, 0, "multiple of 16"), (16, -1, 0, "negative"),
+                                        (16, 0, -1, "negative")]:
+        try:
+            ct.convert([], block_tokens=blocks, requests=requests, skip=skip, max_output=32)
+        except ValueError as e:
+            assert why in str(e), e
+        else:
+            raise AssertionError(f"accepted blocks {blocks}, requests {requests}, skip {skip}")
 
 
 def test_command_line_writes_jsonl():
