@@ -555,6 +555,8 @@ def markdown(results, meta):
         "- hit rate = cached prompt tokens / prompt tokens over all requests (from the mocks' `usage`);",
         "  oracle = one unlimited cache shared by all requests (every prefix computed once: the upper",
         "  bound of any placement); session oracle = one unlimited cache per session.",
+        "- max/mean tokens = the busiest rank's prompt tokens over the mean; max/mean computed = the",
+        "  same over the tokens each rank computed (prompt minus cached: its prefill work).",
         "- goals: keyed, hit rate ≥ 0.97 × oracle with max/mean requests per rank ≤ 1.15; without any",
         "  routing key (prefix index), ≥ 0.97 × oracle at max/mean ≤ 1.10. Marked on filter rows.",
         "",
@@ -579,19 +581,20 @@ def markdown(results, meta):
             ]
         lines += [
             "",
-            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | TTFB p50 | TTFB p90 | TTFB p99 | total p50 | busy | errors | goal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | max/mean computed | TTFB p50 | TTFB p90 | TTFB p99 | total p50 | busy | errors | goal |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in cfg["rows"]:
             lines.append(
                 f"| {row['policy']} | {key_label(row['policy'])} | {fmt(row['hit_rate'], '.3f')} | {fmt(row['hit_share'], '.3f')} "
                 f"| {fmt(row['max_mean_requests'], '.2f')} | {fmt(row['max_mean_tokens'], '.2f')} "
+                f"| {fmt(row['max_mean_computed'], '.2f')} "
                 f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p90_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
                 f"| {fmt(row['total_p50_ms'], '.1f')} ms | {fmt(row['busy'], '.0%')} | {row['errors']} "
                 f"| {'**met**' if goal_met(row, cfg['goal']) else ''} |"
             )
         lines.append(
-            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | — | — | |"
+            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | — | — | — | |"
         )
         lines.append("")
     lines += ["Policies:", ""]
@@ -603,7 +606,23 @@ def markdown(results, meta):
     return "\n".join(lines)
 
 
-def row_of(name, summary, oracle):
+def computed_balance(summary, ranks):
+    """max/mean over the ranks of the prompt tokens they computed (prompt minus cached): the
+    prefill work each rank did, which is what its queue and the time to first byte follow. A
+    rank holding long conversations gets many prompt tokens, most of them cached; max/mean
+    prompt tokens counts them as work, this does not. Over all `ranks`, a rank that served
+    nothing counting as zero."""
+    computed = [0] * ranks
+    for p in summary.get("per_rank") or []:
+        rank = p.get("rank")
+        if isinstance(rank, int) and 0 <= rank < ranks:
+            computed[rank] = p.get("prompt_tokens", 0) - p.get("cached_tokens", 0)
+    if sum(computed) <= 0:
+        return None
+    return max(computed) / (sum(computed) / ranks)
+
+
+def row_of(name, summary, oracle, ranks):
     hit = summary.get("token_hit_rate")
     o = oracle.get("oracle_hit_rate") or 0
 
@@ -623,6 +642,7 @@ def row_of(name, summary, oracle):
         "hit_share": (hit / o) if (hit is not None and o > 0) else None,
         "max_mean_requests": get("requests_per_rank", "max_over_mean"),
         "max_mean_tokens": get("prompt_tokens_per_rank", "max_over_mean"),
+        "max_mean_computed": computed_balance(summary, ranks),
         "ttfb_p50_ms": ms("ttfb_us", "p50"),
         "ttfb_p90_ms": ms("ttfb_us", "p90"),
         "ttfb_p99_ms": ms("ttfb_us", "p99"),
@@ -695,7 +715,7 @@ def main():
             for name in policies:
                 bc.log(TAG, f"{c['label']}: {name}")
                 summary = run_policy(children, workdir, c, name, trace, capacity, speed, tokenizer)
-                row = row_of(name, summary, oracle)
+                row = row_of(name, summary, oracle, c["ranks"])
                 bc.log(TAG, f"  hit rate {fmt(row['hit_rate'], '.3f')} (÷ oracle {fmt(row['hit_share'], '.3f')}), "
                        f"max/mean {fmt(row['max_mean_requests'], '.2f')}, errors {row['errors']}, "
                        f"{summary['wall_s']:.0f} s")

@@ -346,7 +346,7 @@ impl PrefixIndex {
     /// prefix other prompts share: a system prompt, a document), so it covers the first block of
     /// the prompt's own part, which every later turn of the conversation repeats. With an
     /// unbranched match or none, the first position past the match stands in for it (the index
-    /// does not know yet what is shared). `None`: an empty chain.
+    /// does not know yet what is shared). `None`: an empty chain and no opening.
     ///
     /// A chat's opening (its messages through the first user message, see [`Opening`]) names
     /// the conversation better: it is the same on every turn, while the chain at that position
@@ -365,7 +365,6 @@ impl PrefixIndex {
     /// Conversations opening with the same messages (a fixed greeting after the same system
     /// prompt) share the anchor, hence its two home ranks, until the load bound spills them.
     pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
-        let last = chain.len().checked_sub(1)?;
         let next = self.next_grid(matched.blocks).unwrap_or(chain.len());
         let reach = self.next_grid(next).unwrap_or(usize::MAX);
         let short = |o: Opening| o.blocks <= self.short_opening_blocks || o.blocks <= reach;
@@ -376,7 +375,10 @@ impl PrefixIndex {
             {
                 Some(o.hash)
             }
-            _ => chain.get(next.min(last + 1) - 1).copied(),
+            _ => {
+                let last = chain.len().checked_sub(1)?;
+                chain.get(next.min(last + 1) - 1).copied()
+            }
         }
     }
 
@@ -760,8 +762,11 @@ mod tests {
         assert_eq!(idx.anchor(&a, opening(6), &longer_shared), Some(a[11]));
         // Without a match, the opening (the chain's first block names only the system prompt).
         assert_eq!(idx.anchor(&a, opening(30), &Match::default()), opened);
-        // No chain, no anchor (a prompt under one block is not placed by its prefix).
-        assert_eq!(idx.anchor(&[], opening(0), &Match::default()), None);
+        // A first turn shorter than a block has no chain, but its opening is the one its next
+        // turns (with blocks) resend: it names the conversation from the first turn on, so the
+        // turns share a home and the second finds the first's cache. No opening, no anchor.
+        assert_eq!(idx.anchor(&[], opening(0), &Match::default()), opened);
+        assert_eq!(idx.anchor(&[], None, &Match::default()), None);
     }
 
     #[test]

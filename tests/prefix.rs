@@ -321,14 +321,16 @@ fn shared_prefix_spreads_while_conversations_stay() {
 /// Conversations of short turns keep one rank on every turn with the defaults, while none of
 /// their own part reaches the next indexed position: each is anchored by its opening (system
 /// prompt and first user message, resent unchanged), not by wherever this turn's prompt ends.
-/// Two shapes: a 4 KB system prompt many share with 0.5 KB questions, and a 1 KB one with a
+/// Three shapes: a 4 KB system prompt many share with 0.5 KB questions, a 1 KB one with a
 /// 2.5 KB first question (an opening further past the shared part than the next two indexed
-/// positions, which the first turn and the next must still agree on).
+/// positions, which the first turn and the next must still agree on), and no system prompt at
+/// all, with a 50-byte first question (the first turns are shorter than a block: nothing to
+/// look up or record, only the opening names them; a few may move before their first block).
 #[test]
 fn conversations_of_short_turns_keep_their_rank() {
     const CONVERSATIONS: usize = 16;
     const TURNS: usize = 6;
-    for (system_bytes, first_repeat) in [(4000, 5), (1000, 25)] {
+    for (system_bytes, first_repeat) in [(4000, 5), (1000, 25), (0, 1)] {
         let stack = Stack::start(
             &format!("prefix_short_turns_{system_bytes}"),
             StackOptions::new(support::requests::default_config(json!({}))),
@@ -338,9 +340,11 @@ fn conversations_of_short_turns_keep_their_rank() {
             system.push_str("Answer briefly, check the order number, never promise dates. ");
         }
         system.truncate(system_bytes);
-        let mut histories: Vec<Vec<Value>> = (0..CONVERSATIONS)
-            .map(|_| vec![json!({ "role": "system", "content": system })])
-            .collect();
+        let opening = match system_bytes {
+            0 => vec![],
+            _ => vec![json!({ "role": "system", "content": system })],
+        };
+        let mut histories: Vec<Vec<Value>> = vec![opening; CONVERSATIONS];
         let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
         // Turn by turn across the conversations, as concurrent users would interleave them.
         for turn in 0..TURNS {
@@ -362,9 +366,16 @@ fn conversations_of_short_turns_keep_their_rank() {
              first turns per rank {homes:?}, {} moved: {moved:?}",
             moved.len()
         );
+        // Without a system prompt the first two turns are under a block: nothing is recorded,
+        // so each asks its home pair again and the second choice (clearly less work lately) may
+        // differ from one turn to the next, at the cost of under a block. Before the opening
+        // anchored them, those turns went to the least loaded rank and every conversation moved
+        // (16 of 16); now one or two may.
+        let allowed = if system_bytes == 0 { 3 } else { 0 };
         assert!(
-            moved.is_empty(),
-            "conversations moved between turns: {moved:?}"
+            moved.len() <= allowed,
+            "{} conversations moved between turns (at most {allowed}): {moved:?}",
+            moved.len()
         );
         assert!(
             homes.iter().filter(|n| **n > 0).count() >= 3,

@@ -710,7 +710,9 @@ impl Filter {
                 (d, Chain::default())
             }
         };
-        if !chain.is_empty() && self.rt.prefix.is_some() {
+        // A chat shorter than a block has no chain to look up or record, but its opening still
+        // anchors its home (the same as its next turns').
+        if (!chain.is_empty() || chain.opening().is_some()) && self.rt.prefix.is_some() {
             self.prefix = Some(PrefixState {
                 chain,
                 matched: Match::default(),
