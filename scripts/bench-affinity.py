@@ -161,7 +161,9 @@ def trace_has_keys(path):
 
 def chat_workload(ranks, quick):
     """`dp-replay synth` flags. Sessions and their arrival rate scale with the rank count, so each
-    rank sees the same load whatever the configuration."""
+    rank sees the same load whatever the configuration. `BENCH_CHAT_SYSTEM_TOKENS` (default 1000)
+    sets the system prompts' size: 0 gives chats without one, whose first turns are often shorter
+    than a prefix block."""
     return [
         "--seed", "7",
         "--tenants", str(ranks),
@@ -169,7 +171,7 @@ def chat_workload(ranks, quick):
         "--session-rate", str(4.0 * ranks),
         "--max-turns", "12",
         "--zipf", "0.8",
-        "--system-tokens", "1000",
+        "--system-tokens", os.environ.get("BENCH_CHAT_SYSTEM_TOKENS", "1000"),
         "--user-tokens", "120",
         "--output-tokens", "48",
         "--think-ms", "400",
