@@ -17,8 +17,8 @@ anywhere (BENCHMARKS.md says how that was checked).
 Suites:
   keyed   every request carries its session's routing key (header): 4 ranks, 8 ranks, 4 ranks
           behind 2 Envoy replicas, 4 ranks with small caches
-  prefix  no routing key at all: the filter's prompt-prefix index vs session keys vs round robin,
-          on the synthetic chat workload (4 and 8 ranks, and 4 ranks behind 2 Envoy replicas)
+  prefix  no routing key at all: the shipped filter and its prompt-prefix index vs session keys
+          vs round robin, on the synthetic chat workload (4 and 8 ranks, and 4 ranks behind 2 Envoy replicas)
           and on a block-id trace (4 ranks)
   kv      the shape of public multi-turn KV-cache traces (one shared 2 KiB system prompt, long
           one- and two-turn sessions, a few long conversations, shared documents), with and
@@ -128,8 +128,8 @@ if os.environ.get("BENCH_PREFIX_SET"):
 KEYED_ALL = ["filter-learn", "filter-hash", "filter-hash-bounded", "envoy-rr", "envoy-lr", "envoy-hash"]
 # The SGLang model gateway as a peer: keyless (cache-aware) and keyed (manual).
 GATEWAY = ["gateway-cache-aware", "gateway-manual"]
-PREFIX_ALL = ["filter-prefix", "filter-hash-bounded", "envoy-rr", *GATEWAY]
-PREFIX_SHORT = ["filter-prefix", "envoy-rr", "gateway-cache-aware"]
+PREFIX_ALL = ["filter-shipped", "filter-prefix", "filter-hash-bounded", "envoy-rr", *GATEWAY]
+PREFIX_SHORT = ["filter-shipped", "filter-prefix", "envoy-rr", "gateway-cache-aware"]
 # The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
 KV_ALL = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed", "filter-hash-bounded",
           "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY]
@@ -322,7 +322,7 @@ def configurations(suite, quick, trace):
                 cfg("no routing key, 8 ranks", 8, PREFIX_SHORT, prefix_goal),
                 # Chat conversations reach either replica at random: a conversation's anchor must
                 # be the same on both (see README, "Prefix placement").
-                cfg("no routing key, 4 ranks, 2 Envoy replicas", 4, ["filter-prefix", "envoy-rr"],
+                cfg("no routing key, 4 ranks, 2 Envoy replicas", 4, ["filter-shipped", "filter-prefix", "envoy-rr"],
                     prefix_goal, replicas=2),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]

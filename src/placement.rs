@@ -8,7 +8,7 @@
 
 use crate::assign::{
     choose_hash_of_two, choose_least_inflight, choose_round_robin, clearly_less_work, keep_pin,
-    rendezvous_pair, Mode,
+    rendezvous_pair, Mode, QUEUE_MARGIN,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -306,6 +306,14 @@ fn outweighs_home(
     // Only extra work counts against the match: a holder idler than the home gains nothing from
     // it, or a replica that sees other loads would send the conversation elsewhere.
     let queued = st.inflight(rank).saturating_sub(st.inflight(home));
+    // A conversation's own history (unbranched) yields only to a queue that is forming, as its
+    // home's second choice does: a difference of a request or two in flight is what the ranks'
+    // loads wobble by, and counting it sent a short history (a few blocks: chats without a
+    // system prompt) back and forth between its two homes, losing it on every move.
+    let queued = match m.branched {
+        true => queued,
+        false => queued.saturating_sub(QUEUE_MARGIN),
+    };
     // The bonus is for a home every replica computes alike and every turn returns to: the
     // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
     // one request to the next, so it earns none.
@@ -625,11 +633,14 @@ mod tests {
         };
         let hit = |rank, blocks| PrefixChoice::Hit { rank, blocks };
         let spread = |rank, blocks| PrefixChoice::Spread { rank, blocks };
-        // A conversation's own 80-block history (40 KiB) stays over one or two more requests
-        // in flight (80 > 32 + 8, 80 > 64 + 8), not over three (80 < 96 + 8).
-        assert_eq!(at(&matched(80, 1), &[0, 1, 0, 0], 2), hit(1, 80));
-        assert_eq!(at(&matched(80, 1), &[0, 2, 0, 0], 2), hit(1, 80));
-        assert_eq!(at(&matched(80, 1), &[0, 3, 0, 0], 2), spread(1, 80));
+        // A conversation's own 80-block history (40 KiB) counts only the requests in flight
+        // beyond the queue margin (4): it stays over 4 more (nothing counted), 5 or 6 more
+        // (80 > 32 + 8, 80 > 64 + 8), not over 7 (80 < 96 + 8).
+        assert_eq!(at(&matched(80, 1), &[0, 4, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 5, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 6, 0, 0], 2), hit(1, 80));
+        assert_eq!(at(&matched(80, 1), &[0, 7, 0, 0], 2), spread(1, 80));
+        // A shared prefix counts every request: 160 blocks stay over 4 more, not 5 (below).
         // A 4-block (2 KiB) shared system prompt never outweighs going home on an idle
         // cluster: new conversations spread by their home instead of piling onto its holder.
         assert_eq!(at(&shared(4, 1, 0), &[0, 0, 0, 0], 2), spread(1, 4));
@@ -1123,10 +1134,12 @@ mod tests {
             ..matched(8, second)
         };
         assert_eq!(at(shared_there), Target::Direct { rank: first });
-        // The load still counts: 4 more in flight on the second than at home cost 2 × 4 = 8
-        // blocks, as much as the history saves, so the request goes home.
+        // The load still counts once a queue is forming: 8 more in flight on the second than at
+        // home, 4 beyond the queue margin, cost 2 × 4 = 8 blocks, as much as the history saves,
+        // so the request goes home; 7 more do not. (Counting every request, a history of a few
+        // blocks went back and forth between its two homes over a request or two.)
         let mut loads = vec![(0, 0); 4];
-        loads[second as usize] = (4, 0);
+        loads[second as usize] = (8, 0);
         let busy = states(&loads);
         let facts = Facts {
             matched: Some(matched(8, second)),
@@ -1137,7 +1150,7 @@ mod tests {
             plan(&c, 0, &facts, Some(&busy), 10).target,
             Target::Direct { rank: first }
         );
-        loads[second as usize] = (3, 0);
+        loads[second as usize] = (7, 0);
         assert_eq!(
             plan(&c, 0, &facts, Some(&states(&loads)), 10).target,
             Target::Direct { rank: second }
