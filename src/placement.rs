@@ -310,9 +310,10 @@ fn outweighs_home(
     // home's second choice does: a difference of a request or two in flight is what the ranks'
     // loads wobble by, and counting it sent a short history (a few blocks: chats without a
     // system prompt) back and forth between its two homes, losing it on every move.
-    let queued = match m.branched {
-        true => queued,
-        false => queued.saturating_sub(QUEUE_MARGIN),
+    let queued = if m.branched {
+        queued
+    } else {
+        queued.saturating_sub(QUEUE_MARGIN)
     };
     // The bonus is for a home every replica computes alike and every turn returns to: the
     // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
