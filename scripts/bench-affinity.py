@@ -18,7 +18,7 @@ Suites:
   keyed   every request carries its session's routing key (header): 4 ranks, 8 ranks, 4 ranks
           behind 2 Envoy replicas, 4 ranks with small caches
   prefix  no routing key at all: the shipped filter and its prompt-prefix index vs session keys
-          vs round robin, on the synthetic chat workload (4 and 8 ranks, and 4 ranks behind 2 Envoy replicas)
+          vs round robin, on the synthetic chat workload (4 and 8 ranks, one and 2 Envoy replicas)
           and on a block-id trace (4 ranks)
   kv      the shape of public multi-turn KV-cache traces (one shared 2 KiB system prompt, long
           one- and two-turn sessions, a few long conversations, shared documents), with and
@@ -324,6 +324,8 @@ def configurations(suite, quick, trace):
                 # be the same on both (see README, "Prefix placement").
                 cfg("no routing key, 4 ranks, 2 Envoy replicas", 4, ["filter-shipped", "filter-prefix", "envoy-rr"],
                     prefix_goal, replicas=2),
+                cfg("no routing key, 8 ranks, 2 Envoy replicas", 8, ["filter-shipped", "envoy-rr", "gateway-cache-aware"],
+                    prefix_goal, replicas=2),
                 cfg("no routing key, block-id trace, 4 ranks", 4, PREFIX_ALL, prefix_goal, workload="blocks"),
             ]
     # A public block-id trace (see scripts/convert-trace.py) replayed the way the kv suite
@@ -458,6 +460,19 @@ def measured_busy(requests_path, ranks, span_us):
     return used / (ranks * SLOTS * span_us)
 
 
+def mean_slot_wait_ms(requests_path):
+    """Mean wait of the answered requests for a slot on their rank (the mock's `queue_us`, as
+    dp-replay recorded it): the part of the time to first byte that placement spends on queues,
+    beside the prefill it saves or costs."""
+    waits = []
+    with open(requests_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("status") == 200 and r.get("queue_us") is not None:
+                waits.append(r["queue_us"])
+    return sum(waits) / len(waits) / 1000.0 if waits else None
+
+
 def start_routers(children, workdir, tag, c, spec, name, ports, tokenizer):
     """The router processes of one run, one per replica: Envoy (with or without the filter) or
     the SGLang model gateway. Returns (Envoy admin ports, the URLs dp-replay sends to)."""
@@ -517,6 +532,7 @@ def run_policy(children, workdir, c, name, trace, capacity, speed=1.0, tokenizer
         rows = read_trace(trace)
         span_us = (rows[-1][0] - rows[0][0]) * 1000.0 / speed
         summary["busy"] = measured_busy(requests_path, ranks, span_us)
+    summary["slot_wait_ms"] = mean_slot_wait_ms(requests_path)
     counters = {}
     if admins:
         time.sleep(1.1)  # the filter flushes its counters once a second
@@ -536,8 +552,8 @@ def goal_met(row, goal):
             and row["max_mean_requests"] <= goal[1])
 
 
-def fmt(v, spec):
-    return "—" if v is None else format(v, spec)
+def fmt(v, spec, unit=""):
+    return "—" if v is None else format(v, spec) + unit
 
 
 def key_label(name):
@@ -559,6 +575,8 @@ def markdown(results, meta):
         "  bound of any placement); session oracle = one unlimited cache per session.",
         "- max/mean tokens = the busiest rank's prompt tokens over the mean; max/mean computed = the",
         "  same over the tokens each rank computed (prompt minus cached: its prefill work).",
+        "- slot wait = the mean wait of a request for one of its rank's slots (the mocks' `queue_us`):",
+        "  the part of the time to first byte that placement spends on queues.",
         "- goals: keyed, hit rate ≥ 0.97 × oracle with max/mean requests per rank ≤ 1.15; without any",
         "  routing key (prefix index), ≥ 0.97 × oracle at max/mean ≤ 1.10. Marked on filter rows.",
         "",
@@ -583,8 +601,8 @@ def markdown(results, meta):
             ]
         lines += [
             "",
-            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | max/mean computed | TTFB p50 | TTFB p90 | TTFB p99 | total p50 | busy | errors | goal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| policy | key | token hit rate | ÷ oracle | max/mean req | max/mean tokens | max/mean computed | TTFB p50 | TTFB p90 | TTFB p99 | slot wait | total p50 | busy | errors | goal |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in cfg["rows"]:
             lines.append(
@@ -592,11 +610,11 @@ def markdown(results, meta):
                 f"| {fmt(row['max_mean_requests'], '.2f')} | {fmt(row['max_mean_tokens'], '.2f')} "
                 f"| {fmt(row['max_mean_computed'], '.2f')} "
                 f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p90_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
-                f"| {fmt(row['total_p50_ms'], '.1f')} ms | {fmt(row['busy'], '.0%')} | {row['errors']} "
+                f"| {fmt(row['slot_wait_ms'], '.1f', ' ms')} | {fmt(row['total_p50_ms'], '.1f')} ms | {fmt(row['busy'], '.0%')} | {row['errors']} "
                 f"| {'**met**' if goal_met(row, cfg['goal']) else ''} |"
             )
         lines.append(
-            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | — | — | — | |"
+            f"| oracle (offline) | | {fmt(o['oracle_hit_rate'], '.3f')} | 1.000 | — | — | — | — | — | — | — | — | — | — | |"
         )
         lines.append("")
     lines += ["Policies:", ""]
@@ -649,6 +667,7 @@ def row_of(name, summary, oracle, ranks):
         "ttfb_p90_ms": ms("ttfb_us", "p90"),
         "ttfb_p99_ms": ms("ttfb_us", "p99"),
         "busy": summary.get("busy"),
+        "slot_wait_ms": summary.get("slot_wait_ms"),
         "total_p50_ms": ms("total_us", "p50"),
         "errors": summary.get("errors", 0),
         "requests": summary.get("requests"),

@@ -11,6 +11,16 @@ Behind two replicas this tells the loss of a placement apart: a turn moved by it
   scripts/replica-moves.py results/affinity-<UTC>/*2Envoyreplicas*filter-shipped.requests.jsonl
   scripts/replica-moves.py --sessions FILE   # also list the sessions that moved, turn by turn
   scripts/replica-moves.py --trace T FILE    # a keyless trace: sessions from the prompts of T
+  scripts/replica-moves.py --placements FILE # why the other replica moved a turn (see below)
+
+`--placements` reads the filter's decisions from the run's Envoy logs (`<run>-envoy<i>.log` beside
+`<run>.requests.jsonl`; the run needs `BENCH_ENVOY_LOG=debug`, which logs one `placed:` line per
+request: rank, prefix choice, anchor, prompt blocks) and splits the turns the other replica
+moved by cause: the same anchor on both replicas (the same home pair, a different choice within
+it: the two load views disagreed) or another anchor (the replicas' indexes knew different
+shared prefixes, so the conversation was named past a different depth). A log line is joined
+to its request by replica, rank and prompt size (`--block-bytes`, 4 bytes per token as the
+bench's prompts), in send order; requests that find no line are counted as not joined.
 
 A trace without keys (Mooncake's) names no sessions; `--trace` (the JSONL the run replayed)
 infers them from its prompts: a request continues the latest earlier one whose prompt, all but
@@ -22,8 +32,20 @@ Nothing is started; it only reads the files.
 """
 import argparse
 import collections
+import glob
 import json
+import re
 import sys
+
+# The filter's debug line for a placement on a rank (src/host/mod.rs): the plan's target, the
+# prefix stage's choice, the anchor naming the home, the prompt's size in blocks.
+PLACED = re.compile(r"placed: Direct \{ rank: (\d+) \} \(prefix (?:None|Some\((\w+)[^)]*\)), "
+                    r"anchor (?:Some\((\d+)\)|None), (\d+) blocks\)")
+# Prompt bytes per token in the bench's requests (dp-replay's text.rs, BYTES_PER_TOKEN).
+BYTES_PER_TOKEN = 4
+# How far past the earliest unjoined log line a request's line may be (requests sent together
+# are placed in any order by Envoy's workers).
+JOIN_WINDOW = 64
 
 
 def trace_sessions(path, tail):
@@ -82,9 +104,83 @@ def transitions(by_key):
     return counts, lost
 
 
-def report(path, show_sessions, inferred):
+def placed_lines(log_path):
+    """The `placed:` lines of one Envoy log, in order: dicts rank, choice, anchor, blocks."""
+    out = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = PLACED.search(line)
+            if m:
+                out.append({"rank": int(m.group(1)), "choice": m.group(2), "anchor": m.group(3),
+                            "blocks": int(m.group(4))})
+    return out
+
+
+def join_placements(records, logs, block_bytes):
+    """Adds `placement` (a `placed_lines` dict, or None) to every record: per replica (`logs`:
+    target -> its lines), in send order, the first unjoined line within JOIN_WINDOW with the
+    record's rank and prompt size. Returns how many records found none."""
+    unjoined = 0
+    for target, lines in logs.items():
+        used, start, last = [False] * len(lines), 0, 0
+        mine = sorted((r for r in records if r.get("target") == target),
+                      key=lambda r: r["scheduled_ms"] + r.get("lateness_us", 0) / 1000)
+        for r in mine:
+            blocks = r["prompt_tokens"] * BYTES_PER_TOKEN // block_bytes
+            r["placement"] = None
+            for j in range(start, min(len(lines), start + JOIN_WINDOW)):
+                p = lines[j]
+                if not used[j] and p["rank"] == r["rank"] and abs(p["blocks"] - blocks) <= 1:
+                    used[j], r["placement"], last = True, p, j
+                    break
+            else:
+                unjoined += 1
+            # A line no answered request claims (a failed one's) must not hold the window back.
+            while start < len(lines) and (used[start] or start < last - JOIN_WINDOW):
+                start += 1
+    unjoined += sum(1 for r in records if r.get("target") not in logs)
+    return unjoined
+
+
+def envoy_logs(path):
+    """target -> `placed_lines` of the Envoy logs written beside a run's requests file."""
+    base = path[: -len(".requests.jsonl")] if path.endswith(".requests.jsonl") else path
+    logs = {}
+    for log in glob.glob(glob.escape(base) + "-envoy*.log"):
+        m = re.search(r"-envoy(\d+)\.log$", log)
+        if m:
+            logs[int(m.group(1))] = placed_lines(log)
+    return logs
+
+
+def other_replica_causes(by_key):
+    """(counts, lost tokens) of the turns the other replica moved, by cause: same anchor (the
+    load views chose differently within one home pair), another anchor, or not joined."""
+    counts, lost = collections.Counter(), collections.Counter()
+    for turns in by_key.values():
+        for before, after in zip(turns, turns[1:]):
+            if before["target"] == after["target"] or before["rank"] == after["rank"]:
+                continue
+            a, b = before.get("placement"), after.get("placement")
+            if a is None or b is None:
+                cause = "not joined"
+            elif a["anchor"] is not None and a["anchor"] == b["anchor"]:
+                cause = "same anchor, other choice in its home pair"
+            else:
+                cause = "another anchor"
+            counts[cause] += 1
+            lost[cause] += max(0, min(before["prompt_tokens"], after["prompt_tokens"]) - after["cached_tokens"])
+    return counts, lost
+
+
+def report(path, show_sessions, inferred, block_bytes=None):
     by_key = sessions(path, inferred)
     counts, lost = transitions(by_key)
+    if block_bytes:
+        logs = envoy_logs(path)
+        if not any(logs.values()):
+            raise ValueError("no `placed:` lines in the Envoy logs beside it (run with BENCH_ENVOY_LOG=debug)")
+        unjoined = join_placements([r for turns in by_key.values() for r in turns], logs, block_bytes)
     total = sum(r["prompt_tokens"] for turns in by_key.values() for r in turns)
     print(f"## {path}")
     print(f"{len(by_key)} sessions, {sum(1 for t in by_key.values() if len(t) > 1)} with more "
@@ -96,6 +192,14 @@ def report(path, show_sessions, inferred):
             n, miss = counts[(replica, moved)], lost[(replica, moved)]
             share = f"{miss / total:.3f}" if total else "—"
             print(f"| {replica} | {moved} | {n} | {miss} | {share} |")
+    if block_bytes:
+        causes, causes_lost = other_replica_causes(by_key)
+        print(f"\nTurns the other replica moved, by cause ({unjoined} requests not joined to a log line):\n")
+        print("| cause | turns | repeated tokens not cached | share of all prompt tokens |")
+        print("|---|---:|---:|---:|")
+        for cause in ("same anchor, other choice in its home pair", "another anchor", "not joined"):
+            share = f"{causes_lost[cause] / total:.3f}" if total else "—"
+            print(f"| {cause} | {causes[cause]} | {causes_lost[cause]} | {share} |")
     if show_sessions:
         for key, turns in by_key.items():
             if any(a["rank"] != b["rank"] for a, b in zip(turns, turns[1:])):
@@ -109,6 +213,10 @@ def main():
     ap.add_argument("--sessions", action="store_true",
                     help="list every session whose rank changed: e<replica>r<rank>:<prompt>/<cached> per turn")
     ap.add_argument("--trace", help="the JSONL trace the run replayed: sessions of keyless requests from its prompts")
+    ap.add_argument("--placements", action="store_true",
+                    help="split the other replica's moves by cause, from the run's Envoy debug logs")
+    ap.add_argument("--block-bytes", type=int, default=512,
+                    help="prefix.block_bytes of the run's filter, to join log lines (default 512)")
     ap.add_argument("--tail-ids", type=int, default=32,
                     help="trailing block ids of a prompt its next turn may not repeat (default 32)")
     args = ap.parse_args()
@@ -118,7 +226,7 @@ def main():
         sys.exit(f"{args.trace}: {e}")
     for path in args.files:
         try:
-            report(path, args.sessions, inferred)
+            report(path, args.sessions, inferred, args.block_bytes if args.placements else None)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"{path}: {e}")
 

@@ -61,6 +61,59 @@ def test_moves_are_counted_per_replica():
         assert lost[("other replica", "moved")] == 48 and lost[("same replica", "stayed")] == 0, lost
 
 
+def placed(rank, choice, anchor, blocks):
+    """One `placed:` debug line as Envoy logs it (the filter's format, src/host/mod.rs)."""
+    prefix = f"Some({choice} {{ rank: {rank}, blocks: 4 }})" if choice else "None"
+    anchor = f"Some({anchor})" if anchor is not None else "None"
+    return (f"[2026-12-05 17:08:26.359][22113][debug][wasm] wasm log dp_affinity: [2] placed: "
+            f"Direct {{ rank: {rank} }} (prefix {prefix}, anchor {anchor}, {blocks} blocks)\n")
+
+
+def test_the_other_replicas_moves_are_split_by_anchor():
+    with tempfile.TemporaryDirectory() as d:
+        # Two sessions, each moved by the other replica: "a" within its home pair (the same
+        # anchor on both replicas), "b" under another anchor. 128 tokens a 512-byte block.
+        run = write(d, "run.requests.jsonl", [
+            {**record(None, 0, 2, 1280, 0, 0.0), "key": "a"},
+            {**record(None, 0, 1, 2560, 0, 1.0), "key": "b"},
+            {**record(None, 1, 5, 1536, 0, 10.0), "key": "a"},
+            {**record(None, 1, 3, 2816, 512, 11.0), "key": "b"},
+        ])
+        with open(os.path.join(d, "run-envoy0.log"), "w") as f:
+            f.write("unrelated line\n")
+            # Placed in the other order than sent: the join goes by rank and size.
+            f.write(placed(1, "Hit", 7, 20))
+            f.write(placed(2, "Spread", 42, 10))
+        with open(os.path.join(d, "run-envoy1.log"), "w") as f:
+            f.write(placed(5, "Spread", 42, 12))
+            f.write(placed(3, None, 9, 22))
+        by_key = rm.sessions(run)
+        logs = rm.envoy_logs(run)
+        assert sorted(logs) == [0, 1] and len(logs[0]) == 2, logs
+        unjoined = rm.join_placements([r for t in by_key.values() for r in t], logs, 512)
+        assert unjoined == 0, unjoined
+        assert by_key["b"][1]["placement"] == {"rank": 3, "choice": None, "anchor": "9", "blocks": 22}
+        counts, lost = rm.other_replica_causes(by_key)
+        assert counts == {"same anchor, other choice in its home pair": 1, "another anchor": 1}, counts
+        assert lost == {"same anchor, other choice in its home pair": 1280, "another anchor": 2048}, lost
+
+
+def test_a_request_without_its_log_line_is_not_joined():
+    with tempfile.TemporaryDirectory() as d:
+        run = write(d, "run.requests.jsonl", [
+            {**record(None, 0, 2, 1280, 0, 0.0), "key": "a"},
+            {**record(None, 1, 5, 1536, 0, 10.0), "key": "a"},
+        ])
+        with open(os.path.join(d, "run-envoy0.log"), "w") as f:
+            f.write(placed(2, "Spread", 42, 10))
+        with open(os.path.join(d, "run-envoy1.log"), "w") as f:
+            f.write(placed(5, "Spread", 42, 30))  # another prompt size: not this request
+        by_key = rm.sessions(run)
+        assert rm.join_placements([r for t in by_key.values() for r in t], rm.envoy_logs(run), 512) == 1
+        counts, _ = rm.other_replica_causes(by_key)
+        assert counts == {"not joined": 1}, counts
+
+
 if __name__ == "__main__":
     tests = [v for k, v in sorted(globals().items()) if k.startswith("test_")]
     for t in tests:
