@@ -90,6 +90,12 @@ def sessions(path, inferred=None):
     return by_key
 
 
+def repeated_not_cached(before, after):
+    """The prompt tokens a turn repeats of the one before it (its prompt, at most) that its rank
+    did not have cached."""
+    return max(0, min(before["prompt_tokens"], after["prompt_tokens"]) - after["cached_tokens"])
+
+
 def transitions(by_key):
     """(counts, lost tokens) per class: same|other replica, stayed|moved."""
     counts, lost = collections.Counter(), collections.Counter()
@@ -99,8 +105,7 @@ def transitions(by_key):
             moved = "moved" if before["rank"] != after["rank"] else "stayed"
             cls = (replica, moved)
             counts[cls] += 1
-            repeated = min(before["prompt_tokens"], after["prompt_tokens"])
-            lost[cls] += max(0, repeated - after["cached_tokens"])
+            lost[cls] += repeated_not_cached(before, after)
     return counts, lost
 
 
@@ -169,7 +174,7 @@ def other_replica_causes(by_key):
             else:
                 cause = "another anchor"
             counts[cause] += 1
-            lost[cause] += max(0, min(before["prompt_tokens"], after["prompt_tokens"]) - after["cached_tokens"])
+            lost[cause] += repeated_not_cached(before, after)
     return counts, lost
 
 
@@ -220,6 +225,8 @@ def main():
     ap.add_argument("--tail-ids", type=int, default=32,
                     help="trailing block ids of a prompt its next turn may not repeat (default 32)")
     args = ap.parse_args()
+    if args.block_bytes <= 0:
+        sys.exit("--block-bytes must be positive")
     try:
         inferred = trace_sessions(args.trace, args.tail_ids) if args.trace else None
     except (OSError, ValueError, KeyError, TypeError) as e:
