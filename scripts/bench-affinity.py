@@ -448,28 +448,25 @@ def load_speed(trace, ranks, capacity, busy):
     return busy / own, own
 
 
-def measured_busy(requests_path, ranks, span_us):
+def answered_records(requests_path):
+    """dp-replay's per-request records of the requests answered 200, read once per run for the
+    figures below."""
+    with open(requests_path) as f:
+        return [r for r in map(json.loads, f) if r.get("status") == 200]
+
+
+def measured_busy(answered, ranks, span_us):
     """Mean share of the ranks' slots in use over `span_us` (the replayed span): every answered
     request's time on its rank (total minus the wait for a slot), as dp-replay recorded it."""
-    used = 0.0
-    with open(requests_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("status") == 200 and r.get("total_us") is not None:
-                used += r["total_us"] - (r.get("queue_us") or 0)
+    used = sum(r["total_us"] - (r.get("queue_us") or 0) for r in answered if r.get("total_us") is not None)
     return used / (ranks * SLOTS * span_us)
 
 
-def mean_slot_wait_ms(requests_path):
+def mean_slot_wait_ms(answered):
     """Mean wait of the answered requests for a slot on their rank (the mock's `queue_us`, as
     dp-replay recorded it): the part of the time to first byte that placement spends on queues,
     beside the prefill it saves or costs."""
-    waits = []
-    with open(requests_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("status") == 200 and r.get("queue_us") is not None:
-                waits.append(r["queue_us"])
+    waits = [r["queue_us"] for r in answered if r.get("queue_us") is not None]
     return sum(waits) / len(waits) / 1000.0 if waits else None
 
 
@@ -528,11 +525,12 @@ def run_policy(children, workdir, c, name, trace, capacity, speed=1.0, tokenizer
     with open(summary_path) as f:
         summary = json.load(f)
     summary["wall_s"] = time.time() - started
+    answered = answered_records(requests_path)
     if c.get("busy"):
         rows = read_trace(trace)
         span_us = (rows[-1][0] - rows[0][0]) * 1000.0 / speed
-        summary["busy"] = measured_busy(requests_path, ranks, span_us)
-    summary["slot_wait_ms"] = mean_slot_wait_ms(requests_path)
+        summary["busy"] = measured_busy(answered, ranks, span_us)
+    summary["slot_wait_ms"] = mean_slot_wait_ms(answered)
     counters = {}
     if admins:
         time.sleep(1.1)  # the filter flushes its counters once a second
@@ -609,8 +607,8 @@ def markdown(results, meta):
                 f"| {row['policy']} | {key_label(row['policy'])} | {fmt(row['hit_rate'], '.3f')} | {fmt(row['hit_share'], '.3f')} "
                 f"| {fmt(row['max_mean_requests'], '.2f')} | {fmt(row['max_mean_tokens'], '.2f')} "
                 f"| {fmt(row['max_mean_computed'], '.2f')} "
-                f"| {fmt(row['ttfb_p50_ms'], '.1f')} ms | {fmt(row['ttfb_p90_ms'], '.1f')} ms | {fmt(row['ttfb_p99_ms'], '.1f')} ms "
-                f"| {fmt(row['slot_wait_ms'], '.1f', ' ms')} | {fmt(row['total_p50_ms'], '.1f')} ms | {fmt(row['busy'], '.0%')} | {row['errors']} "
+                f"| {fmt(row['ttfb_p50_ms'], '.1f', ' ms')} | {fmt(row['ttfb_p90_ms'], '.1f', ' ms')} | {fmt(row['ttfb_p99_ms'], '.1f', ' ms')} "
+                f"| {fmt(row['slot_wait_ms'], '.1f', ' ms')} | {fmt(row['total_p50_ms'], '.1f', ' ms')} | {fmt(row['busy'], '.0%')} | {row['errors']} "
                 f"| {'**met**' if goal_met(row, cfg['goal']) else ''} |"
             )
         lines.append(
