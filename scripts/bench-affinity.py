@@ -142,6 +142,8 @@ KV_REPLICAS = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filte
 # per-rank cache sized from the workload (see cache_blocks). Scaled down from a real engine so a
 # run takes seconds, with the same shape: a cache hit saves prefill time, an overloaded rank queues.
 BLOCK_TOKENS = 16
+# How dp-replay sends block-id prompts (`--blocks-as`): a completions prompt, or one user message.
+BLOCKS_AS = "text"
 PREFILL_US, DECODE_US, SLOTS = 50, 3000, 4
 MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token", str(DECODE_US),
               "--max-concurrency", str(SLOTS)]
@@ -388,7 +390,10 @@ def make_trace(workdir, c, quick):
         desc = "block-id trace (`block_trace()` in this script: tenant prompts, shared documents, growing turns)"
     else:
         path, desc = kind, f"trace `{kind}`"
-    oracle = json.loads(replay(["oracle", "--trace", path, "--block-tokens", str(BLOCK_TOKENS)]))
+    if BLOCKS_AS != "text":
+        desc += f", block-id prompts sent as `--blocks-as {BLOCKS_AS}`"
+    oracle = json.loads(replay(["oracle", "--trace", path, "--block-tokens", str(BLOCK_TOKENS),
+                                "--blocks-as", BLOCKS_AS]))
     return path, desc, oracle
 
 
@@ -519,7 +524,7 @@ def run_policy(children, workdir, c, name, trace, capacity, speed=1.0, tokenizer
     replay([
         "run", "--trace", trace, *(a for t in targets for a in ("--target", t)), "--key-mode", spec["keys"],
         "--key-header", envoy_gen.ROUTING_KEY_HEADER, "--dp-size", str(ranks),
-        "--block-tokens", str(BLOCK_TOKENS), "--seed", "1", *extra,
+        "--block-tokens", str(BLOCK_TOKENS), "--blocks-as", BLOCKS_AS, "--seed", "1", *extra,
         "--out", requests_path, "--summary", summary_path,
     ])
     with open(summary_path) as f:
@@ -685,7 +690,12 @@ def main():
     ap.add_argument("--policies", help="comma-separated subset of the policies to run")
     ap.add_argument("--ranks", type=int, help="run only the configurations with this many ranks")
     ap.add_argument("--replicas", type=int, help="run only the configurations with this many router replicas")
+    ap.add_argument("--blocks-as", choices=["text", "chat"], default="text",
+                    help="send block-id prompts as a completions prompt (text) or as a chat of one user message "
+                    "holding the whole text (chat: clients that fold a conversation into one message)")
     args = ap.parse_args()
+    global BLOCKS_AS
+    BLOCKS_AS = args.blocks_as
     bc.require([
         ("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build"),
         ("mock-rank", bc.MOCK, "make build"), ("dp-replay", bc.REPLAY, "make build"),

@@ -74,6 +74,8 @@ whether or not earlier ones finished. Prints a summary table on stderr.
   --summary FILE      summary, JSON
   --block-tokens N    tokens per block id when expanding blocks/hash_ids to
                       text; match the mock's --block-tokens (default 16)
+  --blocks-as FORM    text (default): blocks/hash_ids prompts as a completions
+                      \"prompt\"; chat: as one user message of a chat
   --model M           \"model\" of every request (default mock-model)
   --limit N           replay only the first N requests
   --dp-size N         ranks 0..N for the balance figures (default: ranks seen)
@@ -91,6 +93,7 @@ mock-rank's own prompt hashing on the bodies `run` sends.
   --trace FILE        JSONL trace (`-` = stdin), as for `run`
   --block-tokens N    tokens per KV block, as the mock's --block-tokens
                       (default 16)
+  --blocks-as FORM    text (default) | chat, as for `run`
   --model M           \"model\" of every request; it seeds the hashes
                       (default mock-model)
   --limit N           only the first N requests
@@ -191,6 +194,7 @@ const RUN_FLAGS: &[(&str, Arity)] = &[
     ("--out", Arity::Value),
     ("--summary", Arity::Value),
     ("--block-tokens", Arity::Value),
+    ("--blocks-as", Arity::Value),
     ("--model", Arity::Value),
     ("--limit", Arity::Value),
     ("--dp-size", Arity::Value),
@@ -199,6 +203,7 @@ const RUN_FLAGS: &[(&str, Arity)] = &[
 const ORACLE_FLAGS: &[(&str, Arity)] = &[
     ("--trace", Arity::Value),
     ("--block-tokens", Arity::Value),
+    ("--blocks-as", Arity::Value),
     ("--model", Arity::Value),
     ("--limit", Arity::Value),
 ];
@@ -312,6 +317,15 @@ impl Flags {
         self.int("--block-tokens", DEFAULT_BLOCK_TOKENS, 1, MAX_BLOCK_TOKENS)
     }
 
+    /// `--blocks-as`: whether block-id prompts go out as a one-message chat.
+    fn blocks_as_chat(&self) -> Result<bool, String> {
+        match self.get("--blocks-as").unwrap_or("text") {
+            "text" => Ok(false),
+            "chat" => Ok(true),
+            other => Err(format!("--blocks-as: {other:?} is not one of text, chat")),
+        }
+    }
+
     fn model(&self) -> String {
         self.get("--model").unwrap_or(DEFAULT_MODEL).to_string()
     }
@@ -384,6 +398,7 @@ fn run_config(f: &Flags) -> Result<Command, String> {
         out: f.get("--out").map(str::to_string),
         summary: f.get("--summary").map(str::to_string),
         block_tokens: f.block_tokens()?,
+        blocks_as_chat: f.blocks_as_chat()?,
         model: f.model(),
         limit: f.limit()?,
         dp_size,
@@ -394,6 +409,7 @@ fn oracle_config(f: &Flags) -> Result<Command, String> {
     Ok(Command::Oracle(oracle::Config {
         trace: f.required("--trace")?,
         block_tokens: f.block_tokens()?,
+        blocks_as_chat: f.blocks_as_chat()?,
         model: f.model(),
         limit: f.limit()?,
     }))
@@ -462,6 +478,7 @@ mod tests {
         assert_eq!(cfg.timeout, Duration::from_secs(60));
         assert_eq!(cfg.max_inflight, 1024);
         assert_eq!((cfg.block_tokens, cfg.model.as_str()), (16, "mock-model"));
+        assert!(!cfg.blocks_as_chat);
         assert_eq!((cfg.limit, cfg.dp_size, cfg.out), (None, None, None));
         let Ok(Command::Run(cfg)) = parse(&[
             "run",
@@ -484,6 +501,8 @@ mod tests {
             "10",
             "--summary",
             "s.json",
+            "--blocks-as",
+            "chat",
         ]) else {
             panic!("run")
         };
@@ -498,6 +517,7 @@ mod tests {
             (2.5, Some(4), Some(10))
         );
         assert_eq!(cfg.summary.as_deref(), Some("s.json"));
+        assert!(cfg.blocks_as_chat);
     }
 
     #[test]
@@ -512,6 +532,7 @@ mod tests {
         assert!(err(&["run", "--target", "http://a:1"]).contains("--trace is required"));
         assert!(err(&["run", "--trace", "t"]).contains("--target is required"));
         assert!(run(&["--target", "a:1"]).contains("--target"));
+        assert!(run(&["--blocks-as", "json"]).contains("--blocks-as"));
         assert!(run(&["--speed", "0"]).contains("--speed"));
         assert!(run(&["--speed", "x"]).contains("--speed: invalid number"));
         assert!(run(&["--speed", "1", "--speed", "2"]).contains("--speed given twice"));

@@ -21,6 +21,7 @@ use crate::trace::{self, BodyOptions, Request};
 pub struct Config {
     pub trace: String,
     pub block_tokens: u32,
+    pub blocks_as_chat: bool,
     pub model: String,
     pub limit: Option<usize>,
 }
@@ -43,7 +44,12 @@ fn cached(matched: usize, block_tokens: u32, prompt_tokens: u64) -> u64 {
         .min(prompt_tokens)
 }
 
-pub fn compute(requests: &[Request], block_tokens: u32, model: &str) -> Oracle {
+pub fn compute(
+    requests: &[Request],
+    block_tokens: u32,
+    blocks_as_chat: bool,
+    model: &str,
+) -> Oracle {
     // The body `run` sends, minus `stream` and the key, which do not change
     // the prompt the mock hashes.
     let opts = BodyOptions {
@@ -51,6 +57,7 @@ pub fn compute(requests: &[Request], block_tokens: u32, model: &str) -> Oracle {
         block_tokens,
         stream: false,
         key_in_body: false,
+        blocks_as_chat,
     };
     let mut shared = PrefixCache::new(0);
     let mut per_key: HashMap<&str, PrefixCache> = HashMap::new();
@@ -99,7 +106,7 @@ pub fn main(cfg: &Config) -> Result<(), String> {
     if let Some(limit) = cfg.limit {
         requests.truncate(limit);
     }
-    let oracle = compute(&requests, cfg.block_tokens, &cfg.model);
+    let oracle = compute(&requests, cfg.block_tokens, cfg.blocks_as_chat, &cfg.model);
     let text = serde_json::to_string_pretty(&oracle.to_json(cfg.block_tokens))
         .map_err(|e| format!("cannot encode the result: {e}"))?;
     crate::print_stdout(&text)
@@ -124,7 +131,7 @@ mod tests {
             r#"{"t_ms": 2, "key": "a", "blocks": [1, 2, 3, 4]}"#,
             r#"{"t_ms": 3, "blocks": [1]}"#,
         ]);
-        let o = compute(&reqs, 4, "m");
+        let o = compute(&reqs, 4, false, "m");
         assert_eq!(o.requests, 4);
         assert_eq!(o.prompt_tokens, 4 * (2 + 3 + 4 + 1));
         // Shared cache: 0 + 2 + 3 + 1 blocks.
@@ -144,7 +151,7 @@ mod tests {
             r#"{"t_ms": 0, "hash_ids": [1, 2], "input_length": 7}"#,
             r#"{"t_ms": 1, "hash_ids": [1, 2], "input_length": 7}"#,
         ]);
-        let o = compute(&reqs, 4, "m");
+        let o = compute(&reqs, 4, false, "m");
         assert_eq!(o.prompt_tokens, 14);
         assert_eq!(o.cached_tokens, 4);
     }
@@ -159,7 +166,7 @@ mod tests {
         let mut out = Vec::new();
         synth::generate(&cfg).write(&mut out).expect("write");
         let reqs = trace::read(out.as_slice()).expect("trace");
-        let o = compute(&reqs, 16, "mock-model");
+        let o = compute(&reqs, 16, false, "mock-model");
         assert!(
             o.session_cached_tokens > 0,
             "later turns reuse earlier ones"

@@ -66,6 +66,7 @@ pub struct Config {
     pub out: Option<String>,
     pub summary: Option<String>,
     pub block_tokens: u32,
+    pub blocks_as_chat: bool,
     pub model: String,
     pub limit: Option<usize>,
     pub dp_size: Option<u32>,
@@ -78,6 +79,7 @@ impl Config {
             block_tokens: self.block_tokens,
             stream: self.stream,
             key_in_body: self.key_mode == KeyMode::Body,
+            blocks_as_chat: self.blocks_as_chat,
         }
     }
 }
@@ -594,6 +596,7 @@ mod tests {
             out: None,
             summary: None,
             block_tokens: 16,
+            blocks_as_chat: false,
             model: "mock-model".into(),
             limit: None,
             dp_size: Some(4),

@@ -55,6 +55,9 @@ pub struct BodyOptions {
     pub stream: bool,
     /// Put the key in the body as `prompt_cache_key`.
     pub key_in_body: bool,
+    /// Send block-id prompts as a chat of one user message holding the whole text (as clients
+    /// that fold a conversation's history into one message do) instead of a completions prompt.
+    pub blocks_as_chat: bool,
 }
 
 impl Request {
@@ -80,8 +83,14 @@ impl Request {
                     // Block text is ASCII: any cut is a char boundary.
                     text.truncate(len);
                 }
-                body.insert("prompt".into(), Value::String(text));
-                COMPLETIONS_PATH
+                if opts.blocks_as_chat {
+                    let message = json!({"role": "user", "content": text});
+                    body.insert("messages".into(), Value::Array(vec![message]));
+                    CHAT_PATH
+                } else {
+                    body.insert("prompt".into(), Value::String(text));
+                    COMPLETIONS_PATH
+                }
             }
         };
         body.insert("max_tokens".into(), json!(self.output_tokens));
@@ -236,6 +245,7 @@ mod tests {
             block_tokens: 4,
             stream: false,
             key_in_body: false,
+            blocks_as_chat: false,
         }
     }
 
@@ -283,6 +293,17 @@ mod tests {
         assert_eq!(prompt, &text::blocks(&[46, 47], 4)[..24]);
         assert_eq!(body["max_tokens"], 52);
         assert_eq!(body["model"], "m");
+        // As a chat: the same text, as the one user message.
+        let as_chat = BodyOptions {
+            blocks_as_chat: true,
+            ..opts()
+        };
+        let (path, body) = req.body(&as_chat);
+        assert_eq!(path, CHAT_PATH);
+        assert!(body.get("prompt").is_none());
+        assert_eq!(body["messages"].as_array().map(Vec::len), Some(1));
+        assert_eq!(body["messages"][0]["role"], "user");
+        assert_eq!(body["messages"][0]["content"].as_str(), Some(prompt));
         // `blocks` is the same thing under our name; input_length is optional.
         let req = parse_line(r#"{"t_ms": 0, "blocks": [1, 2, 3]}"#, 1).expect("blocks");
         let (_, body) = req.body(&opts());
