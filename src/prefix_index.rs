@@ -125,20 +125,12 @@ pub struct Match {
     pub refreshes: u32,
 }
 
-/// An opening of at most this many bytes of full blocks (16 blocks of the default 512 bytes) is
-/// short enough to anchor its conversation wherever the match ends (see
-/// [`PrefixIndex::anchor`]): its conversation's own history on the next turn is too short to
-/// outweigh the home's bonus, so the anchor must not change between the first and the next turn.
-pub const SHORT_OPENING_BYTES: usize = 8 * 1024;
-
 /// The prefix index over a store. Cheap to build once per configuration.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
     table: AffinityTable,
     /// Indexed positions (block counts), ascending.
     grid: Vec<u32>,
-    /// [`SHORT_OPENING_BYTES`] in full blocks of `prefix.block_bytes` (at least 1).
-    short_opening_blocks: usize,
 }
 
 impl PrefixIndex {
@@ -152,7 +144,6 @@ impl PrefixIndex {
         PrefixIndex {
             table: AffinityTable::new(cfg.table.clone()),
             grid,
-            short_opening_blocks: (SHORT_OPENING_BYTES / cfg.block_bytes.max(1) as usize).max(1),
         }
     }
 
@@ -349,30 +340,22 @@ impl PrefixIndex {
     /// does not know yet what is shared). `None`: an empty chain and no opening.
     ///
     /// A chat's opening (its messages through the first user message, see [`Opening`]) names
-    /// the conversation better: it is the same on every turn, while the chain at that position
-    /// may cover bytes of later turns, or not be reached yet and end wherever this turn's prompt
-    /// ends, so that every turn of a conversation with a short own part would get a home of its
-    /// own and move. It is the anchor unless it lies inside a shared (branched) match, or is
-    /// long: more than [`SHORT_OPENING_BYTES`] and more than two indexed positions past the
-    /// match. A long opening may be a single message holding a whole history (as a trace
-    /// replayer may send), a new one on every turn, where the chain past the shared part is the
-    /// stable name — and one long enough to be indexed past its match gives the next turn an own
-    /// history that outweighs the home's bonus, so its anchor matters little there. Two
-    /// positions, because a first turn ending between them records the first, and its next turn,
-    /// matching that record, must still choose the opening. Without any match the opening is the
-    /// anchor too (the chain's first block would name the system prompt, not the conversation).
+    /// the conversation when the prompt's own part does not reach that position yet: the chain
+    /// there would end wherever this turn's prompt ends, a new name on every turn, while the
+    /// opening is resent unchanged by every later turn. So the opening is the anchor when it
+    /// ends before the position (and not inside a shared match: it would name the shared part).
+    /// An opening that reaches the position is named by the chain there, a prefix of it, as a
+    /// prompt without an opening is: the same for a chat whose opening is resent unchanged, and
+    /// the same for a conversation sent as one user message growing turn by turn (as clients
+    /// that fold a history into one message, and trace replayers, send it), whose opening is a
+    /// new one on every turn.
     ///
     /// Conversations opening with the same messages (a fixed greeting after the same system
     /// prompt) share the anchor, hence its two home ranks, until the load bound spills them.
     pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
         let next = self.next_grid(matched.blocks).unwrap_or(chain.len());
-        let reach = self.next_grid(next).unwrap_or(usize::MAX);
-        let short = |o: Opening| o.blocks <= self.short_opening_blocks || o.blocks <= reach;
         match opening {
-            Some(o)
-                if !(matched.branched && o.blocks < matched.blocks)
-                    && (matched.blocks == 0 || short(o)) =>
-            {
+            Some(o) if o.blocks < next && !(matched.branched && o.blocks < matched.blocks) => {
                 Some(o.hash)
             }
             _ => {
@@ -717,51 +700,46 @@ mod tests {
     }
 
     #[test]
-    fn a_chat_opening_anchors_the_conversation_unless_shared_or_long() {
+    fn a_chat_opening_anchors_the_conversation_until_its_prompt_reaches_the_anchor_position() {
         let (idx, _, a, shared) = anchor_fixture();
         let opening = |blocks| Some(Opening { blocks, hash: 77 });
         let opened = Some(77);
-        // Past the shared part (4), the grid goes on 6, 8, 12: an opening ending before the
-        // second position past the match (8) names the conversation, however long this turn is.
-        for blocks in [4, 5, 6, 7, 8] {
+        // Past the shared part (4) the next grid position is 6: an opening ending before it
+        // names the conversation, however long this turn is (the chain there would cover bytes
+        // of later messages, or end wherever a short turn ends).
+        for blocks in [4, 5] {
             assert_eq!(idx.anchor(&a, opening(blocks), &shared), opened, "{blocks}");
         }
         assert_eq!(idx.anchor(&a[..5], opening(5), &shared), opened);
-        // The next turn of a first turn of 8 blocks matches its own record at 8, unbranched:
-        // still the opening (the window grows with the match: 8 -> 12 -> 16).
+        // Reaching it, the chain there names it: a prefix of the opening, the same whether the
+        // opening is resent unchanged (a chat's first user message) or grows turn by turn (a
+        // conversation sent as one user message)...
+        for blocks in [6, 7, 16, 30] {
+            assert_eq!(
+                idx.anchor(&a, opening(blocks), &shared),
+                Some(a[5]),
+                "{blocks}"
+            );
+        }
+        let a_next = random_chain(2, 60, &a, 40);
+        assert_eq!(idx.anchor(&a_next, opening(50), &shared), Some(a[5]));
+        // ...and without a match at all: the first block.
+        assert_eq!(idx.anchor(&a, opening(3), &Match::default()), Some(a[0]));
+        assert_eq!(idx.anchor(&a, opening(0), &Match::default()), opened);
+        // A later turn matching its own history (unbranched) past the opening: the opening.
         let own = |blocks| Match {
             blocks,
             rank: Some(1),
             ..Match::default()
         };
-        assert_eq!(idx.anchor(&a, opening(8), &own(8)), opened);
-        assert_eq!(idx.anchor(&a, opening(8), &own(24)), opened);
-        // Past that window but short (at most 16 blocks): still the opening, so that a first
-        // turn (matching only the shared part) and its next turn (matching its own record at
-        // 8 or 12) agree.
-        assert_eq!(idx.anchor(&a, opening(16), &shared), opened);
-        assert_eq!(idx.anchor(&a, opening(16), &own(12)), opened);
-        // Long and past the window (a long single message), the chain at the first position
-        // past the shared part names it, as without an opening...
-        assert_eq!(idx.anchor(&a, opening(17), &shared), Some(a[5]));
-        assert_eq!(idx.anchor(&a, opening(30), &shared), Some(a[5]));
-        // "Short" is 8 KiB of blocks: 8 blocks of 1 KiB (and 32 of 256 bytes).
-        let sized = |block_bytes| {
-            let mut c = index_cfg(64, 16);
-            c.block_bytes = block_bytes;
-            PrefixIndex::new(&c)
-        };
-        assert_eq!(sized(1024).anchor(&a, opening(9), &shared), Some(a[5]));
-        assert_eq!(sized(1024).anchor(&a, opening(8), &shared), opened);
-        assert_eq!(sized(256).anchor(&a, opening(32), &shared), opened);
-        // ...and ending inside the shared part it would name the shared part: not used.
+        assert_eq!(idx.anchor(&a, opening(5), &own(8)), opened);
+        assert_eq!(idx.anchor(&a, opening(9), &own(24)), opened);
+        // Ending inside a shared match it would name the shared part: not used.
         let longer_shared = Match {
             blocks: 8,
             ..shared
         };
         assert_eq!(idx.anchor(&a, opening(6), &longer_shared), Some(a[11]));
-        // Without a match, the opening (the chain's first block names only the system prompt).
-        assert_eq!(idx.anchor(&a, opening(30), &Match::default()), opened);
         // A first turn shorter than a block has no chain, but its opening is the one its next
         // turns (with blocks) resend: it names the conversation from the first turn on, so the
         // turns share a home and the second finds the first's cache. No opening, no anchor.

@@ -2,7 +2,8 @@
 //! a real Envoy (2 workers) in front of 4 mock ranks. Requests without a routing key that share a
 //! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
 //! a shared prefix yields to an idler rank while conversations stay on theirs; conversations of
-//! short turns keep one rank; a long shared prompt is copied to the homes of new sessions on a
+//! short turns keep one rank, and so do conversations sent as one growing message through two
+//! replicas; a long shared prompt is copied to the homes of new sessions on a
 //! quiet cluster instead of pulling them all onto its first holder;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
@@ -377,6 +378,65 @@ fn conversations_of_short_turns_keep_their_rank() {
         assert!(
             homes.iter().filter(|n| **n > 0).count() >= 3,
             "conversations not spread over the ranks: {homes:?}"
+        );
+    }
+}
+
+/// Conversations sent as one user message that grows turn by turn (how clients that fold a
+/// history into one message send it, and trace replayers with a chat backend), their turns
+/// alternating between two Envoy replicas, each with its own index: every turn is served where
+/// the first was. The replica that has not seen a conversation names it by the chain at the
+/// first indexed position past what it knows to be shared, a prefix of every turn; named by its
+/// whole (short) opening, which is a new one on every turn, the conversation got a new home
+/// whenever it crossed replicas (and, on the replica that had seen it, a history of a few
+/// blocks followed that changing home too).
+#[test]
+fn conversations_sent_as_one_growing_message_keep_their_rank_through_two_replicas() {
+    const CONVERSATIONS: usize = 12;
+    const TURNS: usize = 5;
+    for form in ["chat", "completions"] {
+        let mut stack = Stack::start(
+            &format!("prefix_one_message_two_replicas_{form}"),
+            StackOptions::new(support::requests::default_config(json!({}))),
+        );
+        let b = stack.replica();
+        let preamble = "Transcript of a support conversation. Reply as the assistant. ".repeat(5);
+        let mut texts: Vec<String> = vec![preamble; CONVERSATIONS];
+        let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+        for turn in 0..TURNS {
+            for (c, text) in texts.iter_mut().enumerate() {
+                let question =
+                    format!("User {c}, turn {turn}: what happened to parcel {c}-{turn}? ");
+                text.push_str(&question.repeat(12));
+                let request = match form {
+                    "chat" => Request::post("/v1/chat/completions").json(&json!({
+                        "model": "mock",
+                        "messages": [{ "role": "user", "content": text }],
+                    })),
+                    _ => completion(text),
+                };
+                let via = if (turn + c) % 2 == 0 {
+                    &stack.envoy
+                } else {
+                    &b
+                };
+                ranks[c].push(served_rank(&via.send(&request)));
+                text.push_str(&format!("Assistant: parcel {c}-{turn} is on its way. ").repeat(4));
+            }
+        }
+        let (homes, moved) = homes_and_moves(&ranks);
+        println!(
+            "{CONVERSATIONS} {form} conversations of one growing message x {TURNS} turns over \
+             two replicas: first turns per rank {homes:?}, {} moved: {moved:?}",
+            moved.len()
+        );
+        assert!(
+            moved.is_empty(),
+            "{form}: conversations moved between turns: {moved:?}"
+        );
+        assert!(
+            homes.iter().filter(|n| **n > 0).count() >= 3,
+            "{form}: conversations not spread over the ranks: {homes:?}"
         );
     }
 }
