@@ -8,7 +8,7 @@
 
 use crate::assign::{
     choose_hash_of_two, choose_least_inflight, choose_round_robin, clearly_less_work, keep_pin,
-    Mode, QUEUE_MARGIN,
+    rendezvous_pair, Mode, QUEUE_MARGIN,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -87,7 +87,10 @@ pub fn plan(
     blocks: u32,
 ) -> Plan {
     let pinned = facts.key.and_then(|k| k.pinned);
-    let request = Request { blocks };
+    let request = Request {
+        anchor: facts.key.map(|k| k.hash).or(facts.anchor),
+        blocks,
+    };
     let p = place(
         cfg,
         now,
@@ -201,6 +204,8 @@ pub fn prefix_choice(
 /// What weighing a match against the request's home needs to know of the request itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Request {
+    /// What names the home: the key's hash, or the prompt's anchor when there is no key.
+    pub anchor: Option<u64>,
     /// The prompt's size in blocks.
     pub blocks: u32,
 }
@@ -210,19 +215,17 @@ pub struct Request {
 /// every replica). The match keeps its rank only when the prompt blocks it saves there,
 /// beyond what the home holds, outweigh the work already queued there beyond the home's:
 ///
-/// - a shared (branched) prefix:
-///   `saved > prefix.load_blocks × max(0, in flight there − in flight at home) + prefix.home_blocks`
-/// - a conversation's own history (unbranched):
-///   `saved > prefix.load_blocks × max(0, in flight there − in flight at home − QUEUE_MARGIN)`
+/// `saved > prefix.load_blocks × max(0, in flight there − in flight at home) + prefix.home_blocks`
 ///
 /// So a long conversation history (80 blocks) stays over a difference of a request or two, a
-/// short one stays until a queue forms, a short shared system prompt (4 blocks) never outweighs
-/// the home's bonus, and on a quiet cluster new conversations spread by their home instead of
-/// piling onto the first rank that computed a popular prefix. A shared prefix the home lacks
-/// also goes home, whatever it saves, once its holder runs hot against the home (see
-/// `runs_hot`: clearly more work lately and at least `HOT_FACTOR` times as much; it is computed
-/// at home once, then serves every conversation that comes home). `request`: the prompt's size
-/// (see `outweighs_home`).
+/// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
+/// cluster new conversations spread by their home instead of piling onto the first rank that
+/// computed a popular prefix. A shared prefix the home lacks also goes home, whatever it saves,
+/// once its holder runs hot against the home (see `runs_hot`: clearly more work lately and at
+/// least `HOT_FACTOR` times as much; it is computed at home once, then serves every
+/// conversation that comes home). `request`: what names the home (the key, or
+/// the prompt's anchor), for the bonus's one exception, and the prompt's size (see
+/// `outweighs_home`).
 pub fn prefix_choice_at(
     cfg: &Config,
     m: &Match,
@@ -254,7 +257,7 @@ pub fn prefix_choice_at(
             PrefixChoice::SkippedFull { rank, blocks }
         }
         (Some(st), Some(home))
-            if home != rank && !outweighs_home(cfg, m, st, rank, home, request) =>
+            if home != rank && !outweighs_home(cfg, m, st, now, rank, home, request) =>
         {
             PrefixChoice::Spread { rank, blocks }
         }
@@ -282,6 +285,7 @@ fn outweighs_home(
     cfg: &Config,
     m: &Match,
     st: &RankStates,
+    now: u32,
     rank: u32,
     home: u32,
     request: Request,
@@ -315,15 +319,16 @@ fn outweighs_home(
     // rendezvous rank (`hash`). Another assigner's choice (the least loaded rank) changes from
     // one request to the next, so it earns none.
     //
-    // Nor does a conversation's own history (an unbranched match): it is of use to that
-    // conversation alone, and its home is no steadier than where it is. The anchor past an own
-    // history moves as the history grows (it is the chain at the first indexed position past
-    // the match), and a turn placed by load on the second rank of its home pair is still home.
-    // A history of a few blocks (short turns, compact prompts) that paid the bonus followed its
-    // changing anchor from rank to rank and lost everything on every move. The load term
-    // stays: a forming queue still moves it.
-    let bonus = match cfg.assign.mode {
-        Mode::Hash if m.branched => cfg.prefix.home_blocks,
+    // Nor does a conversation's own history (an unbranched match) on the other of its anchor's
+    // two rendezvous ranks: both are its homes on every replica, and which one was a matter of
+    // load when an earlier turn was placed. Each turn asks again, so a turn placed on the
+    // second, whose history is still too short to outweigh the bonus, would otherwise go back to
+    // the first as soon as the load evens out, and lose what it had. The load term stays.
+    let in_home_pair =
+        |anchor| rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank));
+    let bonus = match (cfg.assign.mode, request.anchor) {
+        (Mode::Hash, Some(anchor)) if !m.branched && in_home_pair(anchor) => 0,
+        (Mode::Hash, _) => cfg.prefix.home_blocks,
         _ => 0,
     };
     let cost = u64::from(cfg.prefix.load_blocks) * u64::from(queued) + u64::from(bonus);
@@ -666,7 +671,10 @@ mod tests {
                 })
                 .collect(),
         };
-        let request = Request { blocks: 200 };
+        let request = Request {
+            anchor: None,
+            blocks: 200,
+        };
         let weigh =
             |m: &Match, st: &RankStates| prefix_choice_at(&c, m, Some(st), 10, Some(2), request);
         let worked = recent([0, 1000, 0, 0]);
@@ -1101,44 +1109,52 @@ mod tests {
     }
 
     #[test]
-    fn a_short_own_history_stays_until_a_queue_forms() {
+    fn a_short_own_history_stays_on_either_rank_of_its_home_pair() {
         let c = cfg(r#","assign":{"mode":"hash","min_capacity":8}"#);
         let idle = states(&[(0, 0); 4]);
         let anchor = 77;
-        let home = home_of(&c, anchor);
-        let away = (home + 1) % 4;
-        let at = |m: Match, st: &RankStates| {
+        let [Some(first), Some(second)] = rendezvous_pair(&idle, 0, c.assign.seed, anchor) else {
+            panic!("four usable ranks have a pair");
+        };
+        let outside = (0..4).find(|r| ![first, second].contains(r)).unwrap_or(0);
+        let at = |m: Match| {
             let facts = Facts {
                 matched: Some(m),
                 anchor: Some(anchor),
                 ..Facts::default()
             };
-            plan(&c, 0, &facts, Some(st), 10).target
+            plan(&c, 0, &facts, Some(&idle), 10).target
         };
-        // 8 blocks of a conversation's own history (unbranched) earn the home no bonus: they
-        // stay wherever they are (the anchor past an own history moves as it grows, so the
-        // bonus sent short histories after it)...
-        assert_eq!(at(matched(8, away), &idle), Target::Direct { rank: away });
-        // ...while 8 blocks of a shared prefix do not outweigh the home's bonus (8).
+        // 8 blocks of its own history do not outweigh the home's bonus (8): on the second of
+        // the pair they stay (the load chose it on an earlier turn)...
+        assert_eq!(at(matched(8, second)), Target::Direct { rank: second });
+        // ...elsewhere, and for a shared prefix on the second, the request goes home.
+        assert_eq!(at(matched(8, outside)), Target::Direct { rank: first });
         let shared_there = Match {
             branched: true,
-            ..matched(8, away)
+            ..matched(8, second)
         };
-        assert_eq!(at(shared_there, &idle), Target::Direct { rank: home });
-        // The load still counts once a queue is forming: 8 more in flight there than at home,
-        // 4 beyond the queue margin, cost 2 × 4 = 8 blocks, as much as the history saves, so
-        // the request goes home; 7 more do not. (Counting every request, a history of a few
-        // blocks went back and forth between ranks over a request or two.)
+        assert_eq!(at(shared_there), Target::Direct { rank: first });
+        // The load still counts once a queue is forming: 8 more in flight on the second than at
+        // home, 4 beyond the queue margin, cost 2 × 4 = 8 blocks, as much as the history saves,
+        // so the request goes home; 7 more do not. (Counting every request, a history of a few
+        // blocks went back and forth between its two homes over a request or two.)
         let mut loads = vec![(0, 0); 4];
-        loads[away as usize] = (8, 0);
+        loads[second as usize] = (8, 0);
+        let busy = states(&loads);
+        let facts = Facts {
+            matched: Some(matched(8, second)),
+            anchor: Some(anchor),
+            ..Facts::default()
+        };
         assert_eq!(
-            at(matched(8, away), &states(&loads)),
-            Target::Direct { rank: home }
+            plan(&c, 0, &facts, Some(&busy), 10).target,
+            Target::Direct { rank: first }
         );
-        loads[away as usize] = (7, 0);
+        loads[second as usize] = (7, 0);
         assert_eq!(
-            at(matched(8, away), &states(&loads)),
-            Target::Direct { rank: away }
+            plan(&c, 0, &facts, Some(&states(&loads)), 10).target,
+            Target::Direct { rank: second }
         );
     }
 

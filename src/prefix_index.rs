@@ -25,7 +25,7 @@
 //! # The index
 //!
 //! An [`AffinityTable`] with its own namespace: fixed buckets × ways of 16-byte entries (chained
-//! hash, rank, last use), LRU within a bucket, idle TTL, compare-and-swap writes. Memory is
+//! hash, rank and tag, flags, last use), LRU within a bucket, idle TTL, compare-and-swap writes. Memory is
 //! `buckets × ways × 16` bytes whatever the traffic (16 MiB by default).
 //!
 //! **Sparse positions.** Writing every block of every chain would cost one compare-and-swap
@@ -91,6 +91,11 @@
 //! Ranks that served a request sharing a position, other than the position's own, are
 //! remembered in the same flags (*holders*, ranks 0–14), so a shared prefix goes to the least
 //! loaded rank already holding it before it is copied to yet another one.
+//!
+//! The two entries where a prompt ends also remember where its anchor was taken (the entry's
+//! 4-bit tag, see [`PrefixIndex::anchor`]): the conversation's next turn, which matches there, is
+//! named as its earlier turns were, instead of by the position past a match that deepens every
+//! turn.
 
 use std::cell::Cell;
 
@@ -98,6 +103,7 @@ use crate::chain::Opening;
 use crate::config_sections::PrefixConfig;
 use crate::table::{
     holder_flag, AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED,
+    MAX_TAG,
 };
 
 /// What [`PrefixIndex::longest_match`] found.
@@ -116,6 +122,10 @@ pub struct Match {
     /// Holder flags of that position ([`holder_flag`]): other ranks known to hold the prefix too
     /// (requests sharing it were served there).
     pub holders: u16,
+    /// How the request that recorded that position was anchored (`None`: not known), so that
+    /// the conversation's next turn, whose match on its own history ends deeper, is named as
+    /// its earlier turns were (see [`PrefixIndex::anchor`]).
+    pub anchored_at: Option<AnchorAt>,
     /// The grid position whose *fine* positions this chain is indexed at too (0: none): its
     /// grid match, when the chain ends before the next grid position (see the module doc).
     pub fine_base: usize,
@@ -123,6 +133,34 @@ pub struct Match {
     pub reads: u32,
     /// Store writes made (refreshes of found entries older than `refresh_seconds`).
     pub refreshes: u32,
+}
+
+/// Where a request's anchor was taken (see [`PrefixIndex::anchor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnchorAt {
+    /// The chain's hash at this indexed position (or at the chain's end, when it is shorter).
+    Position(usize),
+    /// The chat's opening.
+    Opening,
+}
+
+/// A request's anchor: the hash that names its conversation, and where it was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Anchor {
+    pub hash: u64,
+    pub at: AnchorAt,
+}
+
+/// The tag of an entry recorded by a request anchored by its opening; a position is tagged
+/// with its index on the grid plus one (0: not known, or beyond what 4 bits hold).
+const TAG_OPENING: u8 = MAX_TAG;
+
+/// A request anchored by its opening.
+fn opened(o: Opening) -> Anchor {
+    Anchor {
+        hash: o.hash,
+        at: AnchorAt::Opening,
+    }
 }
 
 /// The prefix index over a store. Cheap to build once per configuration.
@@ -229,8 +267,8 @@ impl PrefixIndex {
         let probe = |p: u32| {
             let h = *chain.get((p as usize).checked_sub(1)?)?;
             match self.table.lookup_flagged(&counting, h, now, dp_size) {
-                (Lookup::Hit { rank }, flags) => Some((p, rank, flags)),
-                (Lookup::Miss | Lookup::Undecodable, _) => None,
+                (Lookup::Hit { rank }, flags, tag) => Some((p, rank, flags, tag)),
+                (Lookup::Miss | Lookup::Undecodable, _, _) => None,
             }
         };
         let pos = self.positions(chain.len());
@@ -242,7 +280,7 @@ impl PrefixIndex {
         // all of its grid positions finds out there (and marks the match branched).
         let tail = pos.last().map(|&p| p as usize).filter(|&p| p < chain.len());
         let fine_base = match found {
-            Some((p, _, flags)) if flags & FLAG_BRANCHED != 0 || tail == Some(p as usize) => {
+            Some((p, _, flags, _)) if flags & FLAG_BRANCHED != 0 || tail == Some(p as usize) => {
                 p as usize
             }
             _ => 0,
@@ -254,10 +292,11 @@ impl PrefixIndex {
         }
         let fine_base = if fine_count == 0 { 0 } else { fine_base };
         Match {
-            blocks: found.map_or(0, |(p, _, _)| p as usize),
-            rank: found.map(|(_, rank, _)| rank),
-            branched: found.is_some_and(|(_, _, flags)| flags & FLAG_BRANCHED != 0),
-            holders: found.map_or(0, |(_, _, flags)| flags & !FLAG_BRANCHED),
+            blocks: found.map_or(0, |(p, _, _, _)| p as usize),
+            rank: found.map(|(_, rank, _, _)| rank),
+            branched: found.is_some_and(|(_, _, flags, _)| flags & FLAG_BRANCHED != 0),
+            holders: found.map_or(0, |(_, _, flags, _)| flags & !FLAG_BRANCHED),
+            anchored_at: found.and_then(|(_, _, _, tag)| self.anchored_at(tag)),
             fine_base,
             reads: counting.reads.get(),
             refreshes: counting.writes.get(),
@@ -277,7 +316,8 @@ impl PrefixIndex {
         now: u32,
         matched: &Match,
     ) -> TableEvents {
-        let (mut events, wrote) = self.record_positions(store, chain, rank, now, matched);
+        let at = self.anchor(chain, None, matched).map(|a| a.at);
+        let (mut events, wrote) = self.record_positions(store, chain, rank, now, matched, at);
         events.add(self.mark_matched(store, chain, rank, now, matched, wrote));
         events
     }
@@ -286,7 +326,8 @@ impl PrefixIndex {
     /// (bottom up) and says whether any write took. The filter does this when it places a
     /// request, and [`mark_matched`](Self::mark_matched) once the rank has served it: a request
     /// that is not served withdraws its positions ([`withdraw`](Self::withdraw)) and has marked
-    /// nothing.
+    /// nothing. `anchored_at`: where the request's anchor was taken, remembered with the two
+    /// deepest positions written, at the prompt's end ([`Match::anchored_at`]).
     pub fn record_positions(
         &self,
         store: &dyn Store,
@@ -294,15 +335,28 @@ impl PrefixIndex {
         rank: u32,
         now: u32,
         matched: &Match,
+        anchored_at: Option<AnchorAt>,
     ) -> (TableEvents, bool) {
         let mut events = TableEvents::default();
         let mut wrote = false;
+        // Only the prompt's end is tagged, and the position before it: the conversation's next
+        // turn matches there (before it when the next turn does not repeat this prompt's last
+        // block exactly: a trace's partial last block, a template's closing), while a match
+        // further inside the prompt is another prompt sharing a prefix of it (which may not be
+        // marked branched yet: requests sharing a system prompt arrive together), whose name
+        // must not be this one's (measured: tagging every position lost 0.01-0.02 x oracle
+        // behind two replicas on the kv-cache-trace shape, the end alone half the gain on
+        // Mooncake's conversations rendered compactly).
+        let mut last_two = self.recorded(chain.len(), matched).rev();
+        let (end, before_end) = (last_two.next(), last_two.next());
         for p in self.recorded(chain.len(), matched) {
             if p as usize <= matched.blocks {
                 continue;
             }
             if let Some(&h) = chain.get(p as usize - 1) {
-                let pinned = self.table.pin(store, h, rank, now);
+                let near_end = Some(p) == end || Some(p) == before_end;
+                let tag = if near_end { self.tag(anchored_at) } else { 0 };
+                let pinned = self.table.pin_tagged(store, h, rank, tag, now);
                 events.add(pinned);
                 // A write lost to a race recorded nothing: the prompt did not go on past the
                 // match as far as the index knows, so the match must not become branched.
@@ -335,9 +389,15 @@ impl PrefixIndex {
     /// the shared part of its prompt, naming the conversation rather than what it shares with
     /// others. It is the chain's hash at the first indexed position past a branched match (the
     /// prefix other prompts share: a system prompt, a document), so it covers the first block of
-    /// the prompt's own part, which every later turn of the conversation repeats. With an
-    /// unbranched match or none, the first position past the match stands in for it (the index
-    /// does not know yet what is shared). `None`: an empty chain and no opening.
+    /// the prompt's own part, which every later turn of the conversation repeats. With no match,
+    /// the first indexed position stands in for it. `None`: an empty chain and no opening.
+    ///
+    /// A match on a conversation's own history (unbranched) ends deeper at every turn, and so
+    /// would the position past it: the anchor is taken where the turn that recorded the match
+    /// took its own ([`Match::anchored_at`], remembered in the index), so the conversation keeps
+    /// its name, hence its home, from turn to turn. When that is not known (an entry written
+    /// before, or a position beyond what the index remembers), the first position past the
+    /// match stands in for it.
     ///
     /// A chat's opening (its messages through the first user message, see [`Opening`]) names
     /// the conversation when the prompt's own part does not reach that position yet: the chain
@@ -352,16 +412,65 @@ impl PrefixIndex {
     ///
     /// Conversations opening with the same messages (a fixed greeting after the same system
     /// prompt) share the anchor, hence its two home ranks, until the load bound spills them.
-    pub fn anchor(&self, chain: &[u64], opening: Option<Opening>, matched: &Match) -> Option<u64> {
-        let next = self.next_grid(matched.blocks).unwrap_or(chain.len());
+    pub fn anchor(
+        &self,
+        chain: &[u64],
+        opening: Option<Opening>,
+        matched: &Match,
+    ) -> Option<Anchor> {
+        let remembered = matched.anchored_at.filter(|_| !matched.branched);
+        let next = match remembered {
+            Some(AnchorAt::Opening) => match opening {
+                Some(o) => return Some(opened(o)),
+                None => self.next_grid(matched.blocks),
+            },
+            Some(AnchorAt::Position(p)) => Some(p),
+            None => self.next_grid(matched.blocks),
+        }
+        .unwrap_or(chain.len());
         match opening {
-            Some(o) if o.blocks < next && !(matched.branched && o.blocks < matched.blocks) => {
-                Some(o.hash)
+            Some(o)
+                if remembered.is_none()
+                    && o.blocks < next
+                    && !(matched.branched && o.blocks < matched.blocks) =>
+            {
+                Some(opened(o))
             }
             _ => {
                 let last = chain.len().checked_sub(1)?;
-                chain.get(next.min(last + 1) - 1).copied()
+                let hash = *chain.get(next.min(last + 1) - 1)?;
+                Some(Anchor {
+                    hash,
+                    at: AnchorAt::Position(next),
+                })
             }
+        }
+    }
+
+    /// The tag remembering `at` in the entries a request records (see [`Match::anchored_at`]).
+    pub fn tag(&self, at: Option<AnchorAt>) -> u8 {
+        match at {
+            Some(AnchorAt::Opening) => TAG_OPENING,
+            Some(AnchorAt::Position(p)) => self
+                .grid
+                .binary_search(&u32::try_from(p).unwrap_or(u32::MAX))
+                .ok()
+                .and_then(|i| u8::try_from(i + 1).ok())
+                .filter(|&t| t < TAG_OPENING)
+                .unwrap_or(0),
+            None => 0,
+        }
+    }
+
+    /// What an entry's tag remembers (the inverse of [`tag`](Self::tag)).
+    fn anchored_at(&self, tag: u8) -> Option<AnchorAt> {
+        match tag {
+            0 => None,
+            TAG_OPENING => Some(AnchorAt::Opening),
+            t => self
+                .grid
+                .get(usize::from(t) - 1)
+                .map(|&p| AnchorAt::Position(p as usize)),
         }
     }
 
@@ -666,6 +775,16 @@ mod tests {
 
     /// An index, a 5-block system prompt and a 40-block conversation `a` opening with it, and
     /// the match such a prompt gets: the system prompt indexed down to grid position 4, branched.
+    /// The anchor's hash.
+    fn hash_of(
+        idx: &PrefixIndex,
+        chain: &[u64],
+        opening: Option<Opening>,
+        m: &Match,
+    ) -> Option<u64> {
+        idx.anchor(chain, opening, m).map(|a| a.hash)
+    }
+
     fn anchor_fixture() -> (PrefixIndex, Vec<u64>, Vec<u64>, Match) {
         let idx = PrefixIndex::new(&index_cfg(64, 16));
         let system = random_chain(1, 5, &[], 0);
@@ -685,18 +804,21 @@ mod tests {
         let b = random_chain(3, 40, &system, 5);
         // Past position 4 the next grid position is 6: the hash of the first 6 blocks, which
         // include the prompt's own sixth block, differs between the two conversations...
-        assert_eq!(idx.anchor(&a, None, &shared), Some(a[5]));
-        assert_ne!(idx.anchor(&a, None, &shared), idx.anchor(&b, None, &shared));
+        assert_eq!(hash_of(&idx, &a, None, &shared), Some(a[5]));
+        assert_ne!(
+            hash_of(&idx, &a, None, &shared),
+            hash_of(&idx, &b, None, &shared)
+        );
         // ...and stays the same for a later turn of the same conversation.
         let a_next = random_chain(2, 60, &a, 40);
         assert_eq!(
-            idx.anchor(&a_next, None, &shared),
-            idx.anchor(&a, None, &shared)
+            hash_of(&idx, &a_next, None, &shared),
+            hash_of(&idx, &a, None, &shared)
         );
         // A chain shorter than the next position: its last block. Empty: none.
-        assert_eq!(idx.anchor(&a[..5], None, &shared), Some(a[4]));
-        assert_eq!(idx.anchor(&[], None, &shared), None);
-        assert_eq!(idx.anchor(&a, None, &Match::default()), Some(a[0]));
+        assert_eq!(hash_of(&idx, &a[..5], None, &shared), Some(a[4]));
+        assert_eq!(hash_of(&idx, &[], None, &shared), None);
+        assert_eq!(hash_of(&idx, &a, None, &Match::default()), Some(a[0]));
     }
 
     #[test]
@@ -708,43 +830,120 @@ mod tests {
         // names the conversation, however long this turn is (the chain there would cover bytes
         // of later messages, or end wherever a short turn ends).
         for blocks in [4, 5] {
-            assert_eq!(idx.anchor(&a, opening(blocks), &shared), opened, "{blocks}");
+            assert_eq!(
+                hash_of(&idx, &a, opening(blocks), &shared),
+                opened,
+                "{blocks}"
+            );
         }
-        assert_eq!(idx.anchor(&a[..5], opening(5), &shared), opened);
+        assert_eq!(hash_of(&idx, &a[..5], opening(5), &shared), opened);
         // Reaching it, the chain there names it: a prefix of the opening, the same whether the
         // opening is resent unchanged (a chat's first user message) or grows turn by turn (a
         // conversation sent as one user message)...
         for blocks in [6, 7, 16, 30] {
             assert_eq!(
-                idx.anchor(&a, opening(blocks), &shared),
+                hash_of(&idx, &a, opening(blocks), &shared),
                 Some(a[5]),
                 "{blocks}"
             );
         }
         let a_next = random_chain(2, 60, &a, 40);
-        assert_eq!(idx.anchor(&a_next, opening(50), &shared), Some(a[5]));
+        assert_eq!(hash_of(&idx, &a_next, opening(50), &shared), Some(a[5]));
         // ...and without a match at all: the first block.
-        assert_eq!(idx.anchor(&a, opening(3), &Match::default()), Some(a[0]));
-        assert_eq!(idx.anchor(&a, opening(0), &Match::default()), opened);
+        assert_eq!(hash_of(&idx, &a, opening(3), &Match::default()), Some(a[0]));
+        assert_eq!(hash_of(&idx, &a, opening(0), &Match::default()), opened);
         // A later turn matching its own history (unbranched) past the opening: the opening.
         let own = |blocks| Match {
             blocks,
             rank: Some(1),
             ..Match::default()
         };
-        assert_eq!(idx.anchor(&a, opening(5), &own(8)), opened);
-        assert_eq!(idx.anchor(&a, opening(9), &own(24)), opened);
+        assert_eq!(hash_of(&idx, &a, opening(5), &own(8)), opened);
+        assert_eq!(hash_of(&idx, &a, opening(9), &own(24)), opened);
         // Ending inside a shared match it would name the shared part: not used.
         let longer_shared = Match {
             blocks: 8,
             ..shared
         };
-        assert_eq!(idx.anchor(&a, opening(6), &longer_shared), Some(a[11]));
+        assert_eq!(hash_of(&idx, &a, opening(6), &longer_shared), Some(a[11]));
         // A first turn shorter than a block has no chain, but its opening is the one its next
         // turns (with blocks) resend: it names the conversation from the first turn on, so the
         // turns share a home and the second finds the first's cache. No opening, no anchor.
-        assert_eq!(idx.anchor(&[], opening(0), &Match::default()), opened);
-        assert_eq!(idx.anchor(&[], None, &Match::default()), None);
+        assert_eq!(hash_of(&idx, &[], opening(0), &Match::default()), opened);
+        assert_eq!(hash_of(&idx, &[], None, &Match::default()), None);
+    }
+
+    #[test]
+    fn a_conversation_keeps_the_anchor_its_first_turn_was_named_by() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        // A first turn of 3 blocks that matched nothing: named by its first block (position 1),
+        // and that is remembered with what it records (positions 1 2 3).
+        let turn1 = random_chain(1, 3, &[], 0);
+        let first = idx.anchor(&turn1, None, &Match::default());
+        assert_eq!(
+            first.map(|a| (a.hash, a.at)),
+            Some((turn1[0], AnchorAt::Position(1)))
+        );
+        idx.record(&s, &turn1, 2, 1000, &Match::default());
+        // Its next turns match their own history ever deeper (3, then 8): the position past
+        // the match would move (4, then 12); the remembered one does not.
+        let turn2 = random_chain(1, 9, &turn1, 3);
+        let m = idx.longest_match(&s, &turn2, 1000, 4);
+        assert_eq!((m.blocks, m.branched), (3, false));
+        assert_eq!(m.anchored_at, Some(AnchorAt::Position(1)));
+        assert_eq!(hash_of(&idx, &turn2, None, &m), Some(turn1[0]));
+        idx.record(&s, &turn2, 2, 1000, &m);
+        let turn3 = random_chain(1, 14, &turn2, 9);
+        let m = idx.longest_match(&s, &turn3, 1000, 4);
+        assert_eq!((m.blocks, m.anchored_at), (8, Some(AnchorAt::Position(1))));
+        assert_eq!(hash_of(&idx, &turn3, None, &m), Some(turn1[0]));
+        // Only the last two positions a prompt records (4 6 8 for turn 2: 6 and 8) remember it:
+        // a next turn whose prompt does not repeat this one's last block exactly (a trace's
+        // partial last block, a chat template's closing) matches the one before the end.
+        // Another prompt sharing only the first 4 blocks (not yet known to be shared: requests
+        // behind one system prompt arrive together) matches inside and is named past its match.
+        let retold = random_chain(8, 12, &turn2, 7);
+        let before_end = idx.longest_match(&s, &retold, 1000, 4);
+        assert_eq!(
+            (before_end.blocks, before_end.anchored_at),
+            (6, Some(AnchorAt::Position(1)))
+        );
+        let other = random_chain(9, 10, &turn2, 4);
+        let shared_unknown = idx.longest_match(&s, &other, 1000, 4);
+        assert_eq!(
+            (shared_unknown.blocks, shared_unknown.anchored_at),
+            (4, None)
+        );
+        assert_eq!(hash_of(&idx, &other, None, &shared_unknown), Some(other[5]));
+        // A chat anchored by its opening keeps it, however far its opening now reaches.
+        let opening = Some(Opening {
+            blocks: 12,
+            hash: 77,
+        });
+        let by_opening = Match {
+            anchored_at: Some(AnchorAt::Opening),
+            ..m
+        };
+        assert_eq!(hash_of(&idx, &turn3, opening, &by_opening), Some(77));
+        // A shared (branched) match names the request past it, whoever recorded it.
+        let shared = Match {
+            branched: true,
+            ..m
+        };
+        assert_eq!(hash_of(&idx, &turn3, None, &shared), Some(turn3[11]));
+        // Tags: a grid position is its index plus one, the opening 15; positions the 4 bits
+        // cannot hold (192 on: grid index 14) and off-grid ones are not remembered.
+        assert_eq!(idx.tag(Some(AnchorAt::Position(1))), 1);
+        assert_eq!(idx.tag(Some(AnchorAt::Position(128))), 14);
+        assert_eq!(idx.tag(Some(AnchorAt::Position(192))), 0);
+        assert_eq!(idx.tag(Some(AnchorAt::Position(5))), 0);
+        assert_eq!(idx.tag(Some(AnchorAt::Opening)), 15);
+        assert_eq!(idx.tag(None), 0);
+        for t in 0..=15 {
+            assert_eq!(idx.tag(idx.anchored_at(t)), t, "{t}");
+        }
     }
 
     #[test]
@@ -867,7 +1066,7 @@ mod tests {
         let m = idx.longest_match(s, &b[..230], 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (192, Some(1), true));
         assert_eq!(idx.writes_needed(230, &m), 6, "193 194 196 200 208 224");
-        idx.record_positions(s, &b[..230], 0, 1000, &m);
+        idx.record_positions(s, &b[..230], 0, 1000, &m, None);
         assert_eq!(idx.longest_match(s, &b[..230], 1000, 4).blocks, 224);
         idx.withdraw(s, &b[..230], 0, &m);
         assert_eq!(idx.longest_match(s, &b[..230], 1000, 4).blocks, 192);
@@ -1154,7 +1353,7 @@ mod tests {
         let turn2 = random_chain(1, 20, &turn1, 12);
         let m = idx.longest_match(&s, &turn2, 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (12, Some(2), false));
-        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &m);
+        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &m, None);
         assert!(wrote);
         assert_eq!(idx.longest_match(&s, &turn2, 1000, 4).blocks, 16);
         idx.withdraw(&s, &turn2, 2, &m);
@@ -1166,7 +1365,7 @@ mod tests {
             (12, Some(2), false)
         );
         // Served this time: positions, then the marks.
-        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &again);
+        let (_, wrote) = idx.record_positions(&s, &turn2, 2, 1000, &again, None);
         idx.mark_matched(&s, &turn2, 2, 1000, &again, wrote);
         let m = idx.longest_match(&s, &random_chain(1, 30, &turn2, 20), 1000, 4);
         assert_eq!((m.blocks, m.rank, m.branched), (16, Some(2), false));

@@ -2,7 +2,10 @@
 //! compare-and-swap (Envoy shared data in production, an in-memory map in tests).
 //!
 //! Layout: `buckets` store keys, each holding up to `ways` entries of 16 bytes:
-//! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank: u16 LE | flags: u16 LE`.
+//! `key_hash: u64 LE | last_used: u32 LE (unix seconds) | rank and tag: u16 LE | flags: u16 LE`,
+//! the rank in the low 12 bits (`dp_size` is at most 4096) and a 4-bit tag above it, which the
+//! prefix index uses to remember how a conversation was anchored (0 for the affinity table's
+//! keys, and in entries written before tags existed).
 //! The affinity table writes no flags; the prefix index marks positions other prompts branched
 //! from ([`FLAG_BRANCHED`]) and the other ranks known to hold them ([`holder_flag`]). Entries
 //! written before flags existed read as flag-free.
@@ -55,11 +58,21 @@ pub fn holders(flags: u16) -> impl Iterator<Item = u32> {
     (0..HOLDER_RANKS).filter(move |&r| flags & holder_flag(r) != 0)
 }
 
+/// The rank's bits in an entry's rank field; the bits above hold its tag.
+const RANK_BITS: u32 = 12;
+const RANK_MASK: u16 = (1 << RANK_BITS) - 1;
+
+/// The largest tag an entry holds (4 bits).
+pub const MAX_TAG: u8 = 15;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     hash: u64,
     last_used: u32,
+    /// At most [`RANK_MASK`].
     rank: u16,
+    /// At most [`MAX_TAG`].
+    tag: u8,
     flags: u16,
 }
 
@@ -67,12 +80,13 @@ impl Entry {
     fn decode(b: &[u8]) -> Option<Entry> {
         let hash = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
         let last_used = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?);
-        let rank = u16::from_le_bytes(b.get(12..14)?.try_into().ok()?);
+        let rank_and_tag = u16::from_le_bytes(b.get(12..14)?.try_into().ok()?);
         let flags = u16::from_le_bytes(b.get(14..16)?.try_into().ok()?);
         Some(Entry {
             hash,
             last_used,
-            rank,
+            rank: rank_and_tag & RANK_MASK,
+            tag: (rank_and_tag >> RANK_BITS) as u8,
             flags,
         })
     }
@@ -80,7 +94,9 @@ impl Entry {
     fn encode_into(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.hash.to_le_bytes());
         out.extend_from_slice(&self.last_used.to_le_bytes());
-        out.extend_from_slice(&self.rank.to_le_bytes());
+        let rank_and_tag =
+            (self.rank & RANK_MASK) | (u16::from(self.tag.min(MAX_TAG)) << RANK_BITS);
+        out.extend_from_slice(&rank_and_tag.to_le_bytes());
         out.extend_from_slice(&self.flags.to_le_bytes());
     }
 }
@@ -218,22 +234,22 @@ impl AffinityTable {
         self.lookup_flagged(store, hash, now, dp_size).0
     }
 
-    /// [`lookup`](Self::lookup), with the hit's entry flags (0 when there is no hit).
+    /// [`lookup`](Self::lookup), with the hit's entry flags and tag (0 when there is no hit).
     pub fn lookup_flagged(
         &self,
         store: &dyn Store,
         hash: u64,
         now: u32,
         dp_size: u32,
-    ) -> (Lookup, u16) {
+    ) -> (Lookup, u16, u8) {
         let key = self.bucket_key(self.bucket_of(hash));
         let (value, cas) = store.get(&key);
         let Some(mut bytes) = value else {
-            return (Lookup::Miss, 0);
+            return (Lookup::Miss, 0, 0);
         };
         // Read the entries where they lie (the hot path: no decoding into a new vector).
         if !bytes.len().is_multiple_of(ENTRY) {
-            return (Lookup::Undecodable, 0);
+            return (Lookup::Undecodable, 0, 0);
         }
         let ways = self.cfg.ways as usize;
         let found = bytes
@@ -241,14 +257,14 @@ impl AffinityTable {
             .take(ways)
             .position(|chunk| chunk.get(0..8) == Some(&hash.to_le_bytes()[..]));
         let Some(pos) = found else {
-            return (Lookup::Miss, 0);
+            return (Lookup::Miss, 0, 0);
         };
         let at = pos * ENTRY;
         let Some(e) = bytes.get(at..at + ENTRY).and_then(Entry::decode) else {
-            return (Lookup::Miss, 0);
+            return (Lookup::Miss, 0, 0);
         };
         if !self.is_live(&e, now) || u32::from(e.rank) >= dp_size {
-            return (Lookup::Miss, 0);
+            return (Lookup::Miss, 0, 0);
         }
         if now.saturating_sub(e.last_used) >= self.cfg.refresh_seconds.max(1) && cas.is_some() {
             // Rewrite only the timestamp, in the copy we already own.
@@ -258,16 +274,31 @@ impl AffinityTable {
         let hit = Lookup::Hit {
             rank: u32::from(e.rank),
         };
-        (hit, e.flags)
+        (hit, e.flags, e.tag)
     }
 
     /// Pins `hash` to `rank`, evicting the least recently used entry if the bucket is full.
     pub fn pin(&self, store: &dyn Store, hash: u64, rank: u32, now: u32) -> TableEvents {
-        let rank = u16::try_from(rank).unwrap_or(u16::MAX);
+        self.pin_tagged(store, hash, rank, 0, now)
+    }
+
+    /// [`pin`](Self::pin), with `tag` (at most [`MAX_TAG`]) stored beside the rank. A rank
+    /// beyond the 12 bits an entry holds is stored as 4095 (`dp_size` is at most 4096).
+    pub fn pin_tagged(
+        &self,
+        store: &dyn Store,
+        hash: u64,
+        rank: u32,
+        tag: u8,
+        now: u32,
+    ) -> TableEvents {
+        let rank = u16::try_from(rank).map_or(RANK_MASK, |r| r.min(RANK_MASK));
+        let tag = tag.min(MAX_TAG);
         self.update(store, hash, |entries, ways, events| {
             // An existing entry keeps its flags: they describe the prompt, not the rank.
             if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
                 e.rank = rank;
+                e.tag = tag;
                 e.last_used = now;
                 return true;
             }
@@ -283,6 +314,7 @@ impl AffinityTable {
                 hash,
                 last_used: now,
                 rank,
+                tag,
                 flags: 0,
             });
             true
@@ -516,6 +548,7 @@ pub mod tests {
                 hash: 99,
                 last_used: 5,
                 rank: 1,
+                tag: 0,
                 flags: 0,
             }
             .encode_into(&mut v);
@@ -553,6 +586,7 @@ pub mod tests {
                 hash: i,
                 last_used: 5,
                 rank: 0,
+                tag: 0,
                 flags: 0,
             }
             .encode_into(&mut big);
@@ -563,6 +597,39 @@ pub mod tests {
     }
 
     #[test]
+    fn a_tag_is_kept_beside_the_rank_and_replaced_by_a_repin() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.pin_tagged(&s, 42, 4095, 9, 5);
+        t.mark(&s, 42, FLAG_BRANCHED, 5);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 5, 4096),
+            (Lookup::Hit { rank: 4095 }, FLAG_BRANCHED, 9)
+        );
+        // The tag does not count as rank bits: out of range stays out of range, unpin matches.
+        assert_eq!(t.lookup(&s, 42, 5, 4095), Lookup::Miss);
+        // A repin replaces the tag (and keeps the flags); an untagged pin writes 0; a tag or rank
+        // beyond the field's bits is clamped, never spills into the other.
+        t.pin_tagged(&s, 42, 2, 99, 6);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 6, 4),
+            (Lookup::Hit { rank: 2 }, FLAG_BRANCHED, MAX_TAG)
+        );
+        t.pin(&s, 42, 1, 7);
+        assert_eq!(t.lookup_flagged(&s, 42, 7, 4).2, 0);
+        t.pin_tagged(&s, 43, 70_000, 3, 7);
+        assert_eq!(
+            t.lookup_flagged(&s, 43, 7, 4096),
+            (Lookup::Hit { rank: 4095 }, 0, 3)
+        );
+        assert!(t.unpin(&s, 43, 4095).0);
+        // Entries written before tags existed (rank field < 4096) read with tag 0.
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 7, 4),
+            (Lookup::Hit { rank: 1 }, FLAG_BRANCHED, 0)
+        );
+    }
+
+    #[test]
     fn flags_are_set_once_and_survive_repins() {
         let (s, t) = (MemStore::default(), table(1, 4));
         // Nothing to mark: no entry, so no write.
@@ -570,13 +637,19 @@ pub mod tests {
         assert!(s.get(&t.bucket_key(0)).0.is_none());
         t.pin(&s, 42, 1, 5);
         t.pin(&s, 43, 2, 5);
-        assert_eq!(t.lookup_flagged(&s, 42, 5, 4), (Lookup::Hit { rank: 1 }, 0));
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 5, 4),
+            (Lookup::Hit { rank: 1 }, 0, 0)
+        );
         t.mark(&s, 42, FLAG_BRANCHED, 5);
         assert_eq!(
             t.lookup_flagged(&s, 42, 5, 4),
-            (Lookup::Hit { rank: 1 }, FLAG_BRANCHED)
+            (Lookup::Hit { rank: 1 }, FLAG_BRANCHED, 0)
         );
-        assert_eq!(t.lookup_flagged(&s, 43, 5, 4), (Lookup::Hit { rank: 2 }, 0));
+        assert_eq!(
+            t.lookup_flagged(&s, 43, 5, 4),
+            (Lookup::Hit { rank: 2 }, 0, 0)
+        );
         // Already set: no write (the CAS token does not move).
         let cas = s.get(&t.bucket_key(0)).1;
         t.mark(&s, 42, FLAG_BRANCHED, 5);
@@ -585,13 +658,16 @@ pub mod tests {
         t.pin(&s, 42, 3, 6);
         assert_eq!(
             t.lookup_flagged(&s, 42, 6, 4),
-            (Lookup::Hit { rank: 3 }, FLAG_BRANCHED)
+            (Lookup::Hit { rank: 3 }, FLAG_BRANCHED, 0)
         );
-        assert_eq!(t.lookup_flagged(&s, 42, 6, 3), (Lookup::Miss, 0));
+        assert_eq!(t.lookup_flagged(&s, 42, 6, 3), (Lookup::Miss, 0, 0));
         // An expired entry is not marked.
         t.pin(&s, 44, 0, 0);
         t.mark(&s, 44, FLAG_BRANCHED, 10_000);
-        assert_eq!(t.lookup_flagged(&s, 44, 1, 4), (Lookup::Hit { rank: 0 }, 0));
+        assert_eq!(
+            t.lookup_flagged(&s, 44, 1, 4),
+            (Lookup::Hit { rank: 0 }, 0, 0)
+        );
     }
 
     #[test]

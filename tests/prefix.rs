@@ -386,10 +386,11 @@ fn conversations_of_short_turns_keep_their_rank() {
 /// history into one message send it, and trace replayers with a chat backend), their turns
 /// alternating between two Envoy replicas, each with its own index: every turn is served where
 /// the first was. The replica that has not seen a conversation names it by the chain at the
-/// first indexed position past what it knows to be shared, a prefix of every turn; named by its
-/// whole (short) opening, which is a new one on every turn, the conversation got a new home
-/// whenever it crossed replicas (and, on the replica that had seen it, a history of a few
-/// blocks followed that changing home too).
+/// first indexed position past what it knows to be shared, a prefix of every turn, and the one
+/// that has, where the conversation was first named (remembered in its index). Before, a chat
+/// was named by its whole (short) opening, a new one on every turn, so it got a new home
+/// whenever it crossed replicas, and on the replica that had seen it a history of a few blocks
+/// followed its name, taken past a match that deepened every turn (11 and 9 of 12 moved).
 #[test]
 fn conversations_sent_as_one_growing_message_keep_their_rank_through_two_replicas() {
     const CONVERSATIONS: usize = 12;

@@ -20,7 +20,7 @@ use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Target};
-use crate::prefix_index::{CountingStore, Match, PrefixIndex};
+use crate::prefix_index::{Anchor, CountingStore, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -936,7 +936,10 @@ impl Filter {
             matched,
             // No key: the prompt's anchor stands for one, so every replica gives the
             // conversation the same home (a key is its own anchor).
-            anchor: key.is_none().then(|| self.prefix_anchor()).flatten(),
+            anchor: key
+                .is_none()
+                .then(|| self.prefix_anchor().map(|a| a.hash))
+                .flatten(),
             turn,
         };
         let blocks = self.prompt_blocks();
@@ -1028,7 +1031,7 @@ impl Filter {
     }
 
     /// The anchor of this request's prompt (see `PrefixIndex::anchor`), once it was looked up.
-    fn prefix_anchor(&self) -> Option<u64> {
+    fn prefix_anchor(&self) -> Option<Anchor> {
         let idx = self.rt.prefix.as_ref()?;
         let state = self.prefix.as_ref()?;
         idx.anchor(state.chain.hashes(), state.chain.opening(), &state.matched)
@@ -1049,12 +1052,18 @@ impl Filter {
         // store call at all: `record_positions` only touches what changed.
         let new_positions = idx.writes_needed(state.chain.len(), &state.matched) > 0;
         let store = IndexStore::new(&rt.counters);
+        // Where the anchor was taken is remembered with the positions, also for a keyed
+        // request: a keyless next turn matching them names the conversation the same way.
+        let anchored_at = idx
+            .anchor(state.chain.hashes(), state.chain.opening(), &state.matched)
+            .map(|a| a.at);
         let (events, wrote) = idx.record_positions(
             &store,
             state.chain.hashes(),
             rank,
             rt.clock.now(),
             &state.matched,
+            anchored_at,
         );
         state.marks_pending = Some(wrote);
         rt.counters.add_index_events(events);
