@@ -84,6 +84,19 @@ fn homes_and_moves(ranks: &[Vec<u32>]) -> (Vec<usize>, Vec<&Vec<u32>>) {
     (per_rank(ranks.iter().map(|r| r[0])), moved)
 }
 
+/// No conversation moved between turns (`moved`, from `homes_and_moves`), and their first turns
+/// went to 3 ranks at least (`homes`: first turns per rank).
+fn assert_kept_and_spread(what: &str, homes: &[usize], moved: &[&Vec<u32>]) {
+    assert!(
+        moved.is_empty(),
+        "{what}: conversations moved between turns: {moved:?}"
+    );
+    assert!(
+        homes.iter().filter(|n| **n > 0).count() >= 3,
+        "{what}: conversations not spread over the ranks: {homes:?}"
+    );
+}
+
 /// A keyless completions request for 8 tokens.
 fn completion(prompt: &str) -> Request {
     Request::post("/v1/completions")
@@ -371,14 +384,7 @@ fn conversations_of_short_turns_keep_their_rank() {
         // so each asks its home pair again. Before the opening anchored them they went to the
         // least loaded rank and every conversation moved (16 of 16); with the anchor but the
         // home's margin taken at their own size of a block or two, 1 of 16 did.
-        assert!(
-            moved.is_empty(),
-            "conversations moved between turns: {moved:?}"
-        );
-        assert!(
-            homes.iter().filter(|n| **n > 0).count() >= 3,
-            "conversations not spread over the ranks: {homes:?}"
-        );
+        assert_kept_and_spread(&format!("{system_bytes} B system prompt"), &homes, &moved);
     }
 }
 
@@ -431,14 +437,7 @@ fn conversations_sent_as_one_growing_message_keep_their_rank_through_two_replica
              two replicas: first turns per rank {homes:?}, {} moved: {moved:?}",
             moved.len()
         );
-        assert!(
-            moved.is_empty(),
-            "{form}: conversations moved between turns: {moved:?}"
-        );
-        assert!(
-            homes.iter().filter(|n| **n > 0).count() >= 3,
-            "{form}: conversations not spread over the ranks: {homes:?}"
-        );
+        assert_kept_and_spread(form, &homes, &moved);
     }
 }
 

@@ -795,7 +795,14 @@ struct Entry {
     rank: u16,
 }
 
-/// Decodes a bucket as the documented layout (`hash u64 | last_used u32 | rank u16 | 0u16`, LE).
+/// How the table stores a rank: in the 12 low bits of its rank field (`dp_size` is at most
+/// 4096), larger ones as 4095; the affinity table's pins leave the 4 tag bits above at 0.
+fn stored_rank(rank: u32) -> u16 {
+    u16::try_from(rank).map_or(4095, |r| r.min(4095))
+}
+
+/// Decodes a bucket as the documented layout (`hash u64 | last_used u32 | rank u16 | 0u16`, LE;
+/// the affinity table writes no tag and no flags).
 fn decode(bytes: &[u8]) -> Vec<Entry> {
     assert_eq!(bytes.len() % 16, 0, "a bucket is whole entries");
     bytes
@@ -887,7 +894,7 @@ impl<'t> Model<'t> {
     }
 
     fn rival_pin(&mut self, hash: u64, rank: u32, now: u32) {
-        let rank = u16::try_from(rank).unwrap_or(u16::MAX);
+        let rank = stored_rank(rank);
         let b = self.bucket(hash);
         let mut entries = self.buckets[b].clone();
         self.pin_into(&mut entries, hash, rank, now);
@@ -921,7 +928,7 @@ impl<'t> Model<'t> {
         now: u32,
         rivals: &mut VecDeque<(u64, u32)>,
     ) -> TableEvents {
-        let rank = u16::try_from(rank).unwrap_or(u16::MAX);
+        let rank = stored_rank(rank);
         let b = self.bucket(hash);
         let mut ev = TableEvents::default();
         for attempt in 0..=self.cfg.cas_retries {
@@ -1047,7 +1054,7 @@ fn table_case() -> impl Strategy<Value = TableCase> {
                     let rank = prop_oneof![
                         10 => 0..dp_size,
                         2 => dp_size..dp_size + 2, // pinned but out of range: a miss
-                        1 => Just(70_000u32), // beyond u16: stored as 65535, never a hit
+                        1 => Just(70_000u32), // beyond 12 bits: stored as 4095, never a hit
                     ];
                     let op = prop_oneof![
                         4 => (0..k, rank.clone()).prop_map(|(key, rank)| Op::Pin { key, rank }),
