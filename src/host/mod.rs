@@ -437,6 +437,9 @@ struct PrefixState {
     chain: Chain,
     /// The lookup's result (`Match::default()` until the lookup is made).
     matched: Match,
+    /// The prompt's anchor for that result (`None` until the lookup is made, or when the prompt
+    /// has none): what names its home, and where it was taken is recorded with its positions.
+    anchor: Option<Anchor>,
     /// The rank the chain was recorded under (once recorded: a chain is recorded at most once).
     recorded: Option<u32>,
     /// The matched position's marks (branched, holder) still to write once the rank serves the
@@ -716,6 +719,7 @@ impl Filter {
             self.prefix = Some(PrefixState {
                 chain,
                 matched: Match::default(),
+                anchor: None,
                 recorded: None,
                 marks_pending: None,
             });
@@ -938,7 +942,7 @@ impl Filter {
             // conversation the same home (a key is its own anchor).
             anchor: key
                 .is_none()
-                .then(|| self.prefix_anchor().map(|a| a.hash))
+                .then(|| self.prefix.as_ref()?.anchor.map(|a| a.hash))
                 .flatten(),
             turn,
         };
@@ -1010,6 +1014,7 @@ impl Filter {
         let store = IndexStore::new(&rt.counters);
         state.matched =
             idx.longest_match(&store, state.chain.hashes(), rt.clock.now(), rt.cfg.dp_size);
+        state.anchor = idx.anchor(state.chain.hashes(), state.chain.opening(), &state.matched);
         if let Some(rank) = state.matched.rank {
             debug!(
                 "[{}] prefix: {} of {} blocks indexed on rank {rank}",
@@ -1030,13 +1035,6 @@ impl Filter {
             .max(1)
     }
 
-    /// The anchor of this request's prompt (see `PrefixIndex::anchor`), once it was looked up.
-    fn prefix_anchor(&self) -> Option<Anchor> {
-        let idx = self.rt.prefix.as_ref()?;
-        let state = self.prefix.as_ref()?;
-        idx.anchor(state.chain.hashes(), state.chain.opening(), &state.matched)
-    }
-
     /// Records this request's chain under the rank that serves it (once), writing only the
     /// positions beyond what the lookup found.
     fn record_prefix(&mut self, rank: u32) {
@@ -1053,9 +1051,11 @@ impl Filter {
         let new_positions = idx.writes_needed(state.chain.len(), &state.matched) > 0;
         let store = IndexStore::new(&rt.counters);
         // Where the anchor was taken is remembered with the positions, also for a keyed
-        // request: a keyless next turn matching them names the conversation the same way.
-        let anchored_at = idx
-            .anchor(state.chain.hashes(), state.chain.opening(), &state.matched)
+        // request: a keyless next turn matching them names the conversation the same way. (A
+        // request recorded without a lookup, placed by an explicit rank, is named here.)
+        let anchored_at = state
+            .anchor
+            .or_else(|| idx.anchor(state.chain.hashes(), state.chain.opening(), &state.matched))
             .map(|a| a.at);
         let (events, wrote) = idx.record_positions(
             &store,
