@@ -349,14 +349,15 @@ impl PrefixIndex {
         // Mooncake's conversations rendered compactly).
         let mut last_two = self.recorded(chain.len(), matched).rev();
         let (end, before_end) = (last_two.next(), last_two.next());
+        let tag = self.tag(anchored_at);
         for p in self.recorded(chain.len(), matched) {
             if p as usize <= matched.blocks {
                 continue;
             }
             if let Some(&h) = chain.get(p as usize - 1) {
                 let near_end = Some(p) == end || Some(p) == before_end;
-                let tag = if near_end { self.tag(anchored_at) } else { 0 };
-                let pinned = self.table.pin_tagged(store, h, rank, tag, now);
+                let written_tag = if near_end { tag } else { 0 };
+                let pinned = self.table.pin_tagged(store, h, rank, written_tag, now);
                 events.add(pinned);
                 // A write lost to a race recorded nothing: the prompt did not go on past the
                 // match as far as the index knows, so the match must not become branched.
