@@ -18,7 +18,11 @@ Behind two replicas this tells the loss of a placement apart: a turn moved by it
 request: rank, prefix choice, anchor, prompt blocks) and splits the turns the other replica
 moved by cause: the same anchor on both replicas (the same home pair, a different choice within
 it: the two load views disagreed) or another anchor (the replicas' indexes knew different
-shared prefixes, so the conversation was named past a different depth). A log line is joined
+shared prefixes, so the conversation was named past a different depth). Same-anchor moves are
+then split by why each of the two turns' homes was its rank, as the filter logged it: the
+first choice (`-`), or its second because the first was given clearly more work
+(`home_second_work`) or had a queue forming (`home_second_queue`), or the first was full
+(`home_full`): the replica whose view of the load sent its turn away. A log line is joined
 to its request by replica, rank and prompt size (`--block-bytes`, 4 bytes per token as the
 bench's prompts), in send order; requests that find no line are counted as not joined.
 
@@ -39,8 +43,10 @@ import sys
 
 # The filter's debug line for a placement on a rank (src/host/mod.rs): the plan's target, the
 # prefix stage's choice, the anchor naming the home, the prompt's size in blocks.
+# Since the `home_*` counters it ends with why the home is its rank when the request went home
+# (`home_second_work`, `home_second_queue`, `home_full`; `-` otherwise); older logs lack it.
 PLACED = re.compile(r"placed: Direct \{ rank: (\d+) \} \(prefix (?:None|Some\((\w+)[^)]*\)), "
-                    r"anchor (?:Some\((\d+)\)|None), (\d+) blocks\)")
+                    r"anchor (?:Some\((\d+)\)|None), (\d+) blocks(?:, home ([\w-]+))?\)")
 # Prompt bytes per token in the bench's requests (dp-replay's text.rs, BYTES_PER_TOKEN).
 BYTES_PER_TOKEN = 4
 # How far past the earliest unjoined log line a request's line may be (requests sent together
@@ -117,7 +123,7 @@ def placed_lines(log_path):
             m = PLACED.search(line)
             if m:
                 out.append({"rank": int(m.group(1)), "choice": m.group(2), "anchor": m.group(3),
-                            "blocks": int(m.group(4))})
+                            "blocks": int(m.group(4)), "home": m.group(5)})
     return out
 
 
@@ -178,6 +184,23 @@ def other_replica_causes(by_key):
     return counts, lost
 
 
+def same_anchor_home_reasons(by_key):
+    """(counts, lost tokens) of the same-anchor turns the other replica moved, by the homes'
+    reasons on the earlier and the later turn (`?` where the log line does not say)."""
+    counts, lost = collections.Counter(), collections.Counter()
+    for turns in by_key.values():
+        for before, after in zip(turns, turns[1:]):
+            if before["target"] == after["target"] or before["rank"] == after["rank"]:
+                continue
+            a, b = before.get("placement"), after.get("placement")
+            if a is None or b is None or a["anchor"] is None or a["anchor"] != b["anchor"]:
+                continue
+            reasons = (a.get("home") or "?", b.get("home") or "?")
+            counts[reasons] += 1
+            lost[reasons] += repeated_not_cached(before, after)
+    return counts, lost
+
+
 def report(path, show_sessions, inferred, block_bytes=None):
     by_key = sessions(path, inferred)
     counts, lost = transitions(by_key)
@@ -205,6 +228,13 @@ def report(path, show_sessions, inferred, block_bytes=None):
         for cause in ("same anchor, other choice in its home pair", "another anchor", "not joined"):
             share = f"{causes_lost[cause] / total:.3f}" if total else "—"
             print(f"| {cause} | {causes[cause]} | {causes_lost[cause]} | {share} |")
+        reasons, reasons_lost = same_anchor_home_reasons(by_key)
+        if reasons:
+            print("\nSame-anchor moves by why each turn's home was its rank (earlier turn / later turn):\n")
+            print("| earlier turn's home | later turn's home | turns | repeated tokens not cached |")
+            print("|---|---|---:|---:|")
+            for (a, b), n in reasons.most_common():
+                print(f"| {a} | {b} | {n} | {reasons_lost[(a, b)]} |")
     if show_sessions:
         for key, turns in by_key.items():
             if any(a["rank"] != b["rank"] for a, b in zip(turns, turns[1:])):

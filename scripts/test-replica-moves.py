@@ -61,12 +61,14 @@ def test_moves_are_counted_per_replica():
         assert lost[("other replica", "moved")] == 48 and lost[("same replica", "stayed")] == 0, lost
 
 
-def placed(rank, choice, anchor, blocks):
-    """One `placed:` debug line as Envoy logs it (the filter's format, src/host/mod.rs)."""
+def placed(rank, choice, anchor, blocks, home=None):
+    """One `placed:` debug line as Envoy logs it (the filter's format, src/host/mod.rs; `home`
+    None: the format before the home's reason was logged)."""
     prefix = f"Some({choice} {{ rank: {rank}, blocks: 4 }})" if choice else "None"
     anchor = f"Some({anchor})" if anchor is not None else "None"
+    home = f", home {home}" if home is not None else ""
     return (f"[2026-12-05 17:08:26.359][22113][debug][wasm] wasm log dp_affinity: [2] placed: "
-            f"Direct {{ rank: {rank} }} (prefix {prefix}, anchor {anchor}, {blocks} blocks)\n")
+            f"Direct {{ rank: {rank} }} (prefix {prefix}, anchor {anchor}, {blocks} blocks{home})\n")
 
 
 def test_the_other_replicas_moves_are_split_by_anchor():
@@ -83,19 +85,23 @@ def test_the_other_replicas_moves_are_split_by_anchor():
             f.write("unrelated line\n")
             # Placed in the other order than sent: the join goes by rank and size.
             f.write(placed(1, "Hit", 7, 20))
-            f.write(placed(2, "Spread", 42, 10))
+            f.write(placed(2, "Spread", 42, 10, "-"))
         with open(os.path.join(d, "run-envoy1.log"), "w") as f:
-            f.write(placed(5, "Spread", 42, 12))
+            f.write(placed(5, "Spread", 42, 12, "home_second_work"))
             f.write(placed(3, None, 9, 22))
         by_key = rm.sessions(run)
         logs = rm.envoy_logs(run)
         assert sorted(logs) == [0, 1] and len(logs[0]) == 2, logs
         unjoined = rm.join_placements([r for t in by_key.values() for r in t], logs, 512)
         assert unjoined == 0, unjoined
-        assert by_key["b"][1]["placement"] == {"rank": 3, "choice": None, "anchor": "9", "blocks": 22}
+        assert by_key["b"][1]["placement"] == {"rank": 3, "choice": None, "anchor": "9", "blocks": 22,
+                                               "home": None}
         counts, lost = rm.other_replica_causes(by_key)
         assert counts == {"same anchor, other choice in its home pair": 1, "another anchor": 1}, counts
         assert lost == {"same anchor, other choice in its home pair": 1280, "another anchor": 2048}, lost
+        reasons, reasons_lost = rm.same_anchor_home_reasons(by_key)
+        assert reasons == {("-", "home_second_work"): 1}, reasons
+        assert reasons_lost == {("-", "home_second_work"): 1280}, reasons_lost
 
 
 def test_a_request_without_its_log_line_is_not_joined():

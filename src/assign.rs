@@ -103,21 +103,77 @@ pub fn choose_hash_of_two(
     bound: Bound,
     blocks: u32,
 ) -> Option<u32> {
+    home_of_two(states, now, seed, key, bound, blocks).map(|home| home.rank)
+}
+
+/// A request's home and why it is that rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Home {
+    pub rank: u32,
+    pub by: HomeBy,
+}
+
+/// Why a home is the rank it is. Behind several Envoy replicas, each reason but `Preferred`
+/// rests on one replica's view of the load, so a conversation's turns placed by different
+/// replicas can land on different ranks for it; the `dp_affinity.home_*` counters say how often.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HomeBy {
+    /// The assigner's first choice: the top usable rank of the rendezvous order (`hash`), or
+    /// the least loaded / next rank (the other modes, which have no second choice).
+    Preferred,
+    /// The second of the two: the first was given clearly more work lately.
+    SecondLessWork,
+    /// The second of the two: a queue is forming on the first.
+    SecondQueue,
+    /// Not the top usable rank of the rendezvous order: that one is full under the bound.
+    PreferredFull,
+}
+
+/// [`choose_hash_of_two`], with the reason for its choice.
+pub fn home_of_two(
+    states: &RankStates,
+    now: u32,
+    seed: u64,
+    key: u64,
+    bound: Bound,
+    blocks: u32,
+) -> Option<Home> {
     let (total, usable) = states.usable_load(now);
     let cap = bound.capacity(total, usable);
     let not_full = |rank| states.usable(rank, now) && u64::from(states.inflight(rank)) < cap;
-    match top_two(states, seed, key, not_full) {
-        [Some(first), Some(second)] => Some(
-            if clearly_less_work(states.recent(first), states.recent(second), blocks)
-                || queue_forming(states.inflight(first), states.inflight(second))
-            {
-                second
+    let home = match top_two(states, seed, key, not_full) {
+        [Some(first), Some(second)] => {
+            if clearly_less_work(states.recent(first), states.recent(second), blocks) {
+                Home {
+                    rank: second,
+                    by: HomeBy::SecondLessWork,
+                }
+            } else if queue_forming(states.inflight(first), states.inflight(second)) {
+                Home {
+                    rank: second,
+                    by: HomeBy::SecondQueue,
+                }
             } else {
-                first
-            },
-        ),
-        _ => choose_hash(states, now, seed, key, bound),
-    }
+                Home {
+                    rank: first,
+                    by: HomeBy::Preferred,
+                }
+            }
+        }
+        _ => Home {
+            rank: choose_hash(states, now, seed, key, bound)?,
+            by: HomeBy::Preferred,
+        },
+    };
+    // Every rank full leaves the top of the order (`choose_hash`): still the preferred one.
+    let [top, _] = rendezvous_pair(states, now, seed, key);
+    Some(match top {
+        Some(top) if top != home.rank && !not_full(top) => Home {
+            by: HomeBy::PreferredFull,
+            ..home
+        },
+        _ => home,
+    })
 }
 
 /// The two highest-weighted usable ranks of `key`, whatever their load: the ranks

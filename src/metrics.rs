@@ -48,10 +48,13 @@ pub enum Counter {
     TargetBodyUnwritable,
     TargetHeaderStripped,
     Untargeted,
+    HomeSecondWork,
+    HomeSecondQueue,
+    HomeFull,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 44] = [
+    pub const ALL: [Counter; 47] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -96,6 +99,9 @@ impl Counter {
         Counter::TargetBodyUnwritable,
         Counter::TargetHeaderStripped,
         Counter::Untargeted,
+        Counter::HomeSecondWork,
+        Counter::HomeSecondQueue,
+        Counter::HomeFull,
     ];
 
     /// The metric name as defined with the host.
@@ -145,6 +151,9 @@ impl Counter {
             Counter::TargetBodyUnwritable => "dp_affinity.target_body_unwritable",
             Counter::TargetHeaderStripped => "dp_affinity.target_header_stripped",
             Counter::Untargeted => "dp_affinity.untargeted",
+            Counter::HomeSecondWork => "dp_affinity.home_second_work",
+            Counter::HomeSecondQueue => "dp_affinity.home_second_queue",
+            Counter::HomeFull => "dp_affinity.home_full",
         }
     }
 

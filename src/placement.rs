@@ -7,8 +7,8 @@
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
-    choose_hash_of_two, choose_least_inflight, choose_round_robin, clearly_less_work, keep_pin,
-    rendezvous_pair, Mode, QUEUE_MARGIN,
+    choose_least_inflight, choose_round_robin, clearly_less_work, home_of_two, keep_pin,
+    rendezvous_pair, Home, HomeBy, Mode, QUEUE_MARGIN,
 };
 use crate::config::Config;
 use crate::metrics::Counter;
@@ -70,8 +70,9 @@ pub struct Plan {
     pub target: Target,
     /// What the prefix stage said, if it was consulted (counted by `Counters::add_prefix_choice`).
     pub prefix: Option<PrefixChoice>,
-    /// Counters to add one to.
-    pub counters: [Option<Counter>; 2],
+    /// Counters to add one to: the key's outcome, `assigned`, and why the home is the rank it
+    /// is when the request went home (see [`HomeBy`]).
+    pub counters: [Option<Counter>; 3],
 }
 
 /// The whole placement of a request that has a key or none (explicit ranks and rooms are decided
@@ -91,6 +92,7 @@ pub fn plan(
         anchor: facts.key.map(|k| k.hash).or(facts.anchor),
         blocks,
     };
+    let mut home_by = None;
     let p = place(
         cfg,
         now,
@@ -98,9 +100,18 @@ pub fn plan(
         facts.matched.as_ref(),
         states,
         request,
-        || states.and_then(|st| assign(cfg, st, now, facts, blocks)),
+        || {
+            let home = states.and_then(|st| assign_home(cfg, st, now, facts, blocks))?;
+            home_by = Some(home.by);
+            Some(home.rank)
+        },
     );
     let rank = placed_rank(p.placed);
+    // Why the home is that rank counts only when the request went there.
+    let home = match p.placed {
+        Placed::Assigned(Some(_)) => home_by.and_then(home_counter),
+        _ => None,
+    };
     let (target, counters) = match (facts.key, rank) {
         (Some(key), Some(rank)) => {
             let held = matches!(p.placed, Placed::Pin(_));
@@ -117,17 +128,17 @@ pub fn plan(
                 rank,
                 write_pin: !held,
             };
-            (target, [Some(outcome), assigned])
+            (target, [Some(outcome), assigned, home])
         }
         // Envoy balances: a miss the response teaches, or (with load counted) no usable rank.
         (Some(key), None) => (
             Target::Learn { hash: key.hash },
-            [Some(unplaced(states, Counter::AffinityMiss)), None],
+            [Some(unplaced(states, Counter::AffinityMiss)), None, None],
         ),
-        (None, Some(rank)) => (Target::Direct { rank }, [None, None]),
+        (None, Some(rank)) => (Target::Direct { rank }, [None, None, home]),
         (None, None) => (
             Target::Balanced,
-            [states.map(|_| Counter::NoUsableRank), None],
+            [states.map(|_| Counter::NoUsableRank), None, None],
         ),
     };
     Plan {
@@ -151,15 +162,40 @@ fn unplaced(states: Option<&RankStates>, otherwise: Counter) -> Counter {
 /// the least loaded or the next rank in the others. `None` in `envoy` mode or with no usable
 /// rank.
 pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u32) -> Option<u32> {
+    assign_home(cfg, st, now, facts, blocks).map(|home| home.rank)
+}
+
+/// [`assign`], with why the home is that rank.
+fn assign_home(
+    cfg: &Config,
+    st: &RankStates,
+    now: u32,
+    facts: &Facts,
+    blocks: u32,
+) -> Option<Home> {
     let a = &cfg.assign;
+    let preferred = |rank: Option<u32>| {
+        rank.map(|rank| Home {
+            rank,
+            by: HomeBy::Preferred,
+        })
+    };
     match (a.mode, facts.key.map(|k| k.hash).or(facts.anchor)) {
         (Mode::Envoy, _) => None,
-        (Mode::Hash, Some(anchor)) => {
-            choose_hash_of_two(st, now, a.seed, anchor, a.new_key_bound, blocks)
-        }
-        (Mode::RoundRobin, _) => choose_round_robin(st, now, facts.turn),
+        (Mode::Hash, Some(anchor)) => home_of_two(st, now, a.seed, anchor, a.new_key_bound, blocks),
+        (Mode::RoundRobin, _) => preferred(choose_round_robin(st, now, facts.turn)),
         // No key and no anchor in hash mode, and every placement in the others.
-        _ => choose_least_inflight(st, now, facts.turn),
+        _ => preferred(choose_least_inflight(st, now, facts.turn)),
+    }
+}
+
+/// The counter of a home that is not the assigner's first choice.
+fn home_counter(by: HomeBy) -> Option<Counter> {
+    match by {
+        HomeBy::Preferred => None,
+        HomeBy::SecondLessWork => Some(Counter::HomeSecondWork),
+        HomeBy::SecondQueue => Some(Counter::HomeSecondQueue),
+        HomeBy::PreferredFull => Some(Counter::HomeFull),
     }
 }
 
@@ -905,7 +941,7 @@ mod tests {
         anchor: Option<u64>,
         states: Option<RankStates>,
         want_target: Target,
-        want_counters: [Option<Counter>; 2],
+        want_counters: [Option<Counter>; 3],
     }
 
     fn key(hash: u64, pinned: Option<u32>) -> Option<KeyFacts> {
@@ -958,7 +994,7 @@ mod tests {
                         rank: 1,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None],
+                    want_counters: [Some(AffinityHit), None, None],
                 },
                 Row {
                     what: "a new key goes home (the rendezvous rank of the key) and is pinned",
@@ -971,7 +1007,7 @@ mod tests {
                         rank: home,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), Some(Assigned)],
+                    want_counters: [Some(AffinityMiss), Some(Assigned), None],
                 },
                 Row {
                     what: "a pin over the bound moves home",
@@ -988,7 +1024,7 @@ mod tests {
                         },
                         write_pin: true,
                     },
-                    want_counters: [Some(Moved), Some(Assigned)],
+                    want_counters: [Some(Moved), Some(Assigned), None],
                 },
                 Row {
                     what: "a deep history on another rank beats the home",
@@ -1001,7 +1037,7 @@ mod tests {
                         rank: (home + 1) % 4,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "no key: the anchor's home, nothing to pin",
@@ -1010,7 +1046,7 @@ mod tests {
                     anchor: Some(77),
                     states: idle(),
                     want_target: Target::Direct { rank: home },
-                    want_counters: [None, None],
+                    want_counters: [None, None, None],
                 },
                 Row {
                     what: "no usable rank, keyed: Envoy balances and the answer teaches",
@@ -1019,7 +1055,7 @@ mod tests {
                     anchor: None,
                     states: Some(down.clone()),
                     want_target: Target::Learn { hash: 77 },
-                    want_counters: [Some(NoUsableRank), None],
+                    want_counters: [Some(NoUsableRank), None, None],
                 },
                 Row {
                     what: "no usable rank, keyless: Envoy balances",
@@ -1028,7 +1064,101 @@ mod tests {
                     anchor: Some(77),
                     states: Some(down),
                     want_target: Target::Balanced,
-                    want_counters: [Some(NoUsableRank), None],
+                    want_counters: [Some(NoUsableRank), None, None],
+                },
+            ],
+        );
+    }
+
+    /// A home that is not the rendezvous order's first choice says why, and only when the request
+    /// went home: behind several replicas these are the placements each replica makes from its
+    /// own view of the load.
+    #[test]
+    fn plans_say_why_the_home_is_not_the_first_choice() {
+        let c = cfg(r#","assign":{"mode":"hash"}"#);
+        let idle = states(&[(0, 0); 4]);
+        let [Some(first), Some(second)] = rendezvous_pair(&idle, 0, c.assign.seed, 77) else {
+            panic!("four usable ranks have a pair");
+        };
+        let mut worked = idle.clone();
+        worked.ranks[first as usize].recent = 1000;
+        let mut queued = idle.clone();
+        queued.ranks[first as usize].inflight = 5;
+        let mut full = idle.clone();
+        // Floor 8: a rank with 8 in flight is full for a new conversation.
+        full.ranks[first as usize].inflight = 8;
+        let past_full = plan(
+            &c,
+            0,
+            &Facts {
+                anchor: Some(77),
+                ..Facts::default()
+            },
+            Some(&full),
+            10,
+        );
+        assert_ne!(past_full.target.rank(), Some(first));
+        use Counter::*;
+        check(
+            &c,
+            &[
+                Row {
+                    what: "the first was given clearly more work: the second, counted",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: Some(worked.clone()),
+                    want_target: Target::Direct { rank: second },
+                    want_counters: [None, None, Some(HomeSecondWork)],
+                },
+                Row {
+                    what: "a new key the same way, pinned there",
+                    key: key(77, None),
+                    matched: None,
+                    anchor: None,
+                    states: Some(worked.clone()),
+                    want_target: Target::Pinned {
+                        hash: 77,
+                        rank: second,
+                        write_pin: true,
+                    },
+                    want_counters: [Some(AffinityMiss), Some(Assigned), Some(HomeSecondWork)],
+                },
+                Row {
+                    what: "a queue forming on the first: the second, counted",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: Some(queued),
+                    want_target: Target::Direct { rank: second },
+                    want_counters: [None, None, Some(HomeSecondQueue)],
+                },
+                Row {
+                    what: "the first is full: the next choice, counted",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: Some(full),
+                    want_target: past_full.target,
+                    want_counters: [None, None, Some(HomeFull)],
+                },
+                Row {
+                    what: "a history on the first decides: the home did not, nothing counted",
+                    key: None,
+                    matched: Some(matched(80, first)),
+                    anchor: Some(77),
+                    states: Some(worked),
+                    want_target: Target::Direct { rank: first },
+                    want_counters: [None, None, None],
+                },
+                Row {
+                    what: "the first choice: nothing counted",
+                    key: None,
+                    matched: None,
+                    anchor: Some(77),
+                    states: Some(idle),
+                    want_target: Target::Direct { rank: first },
+                    want_counters: [None, None, None],
                 },
             ],
         );
@@ -1062,7 +1192,7 @@ mod tests {
                         rank: 2,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None],
+                    want_counters: [Some(AffinityHit), None, None],
                 },
                 Row {
                     what: "a new key follows its prompt's prefix and is pinned at once",
@@ -1075,7 +1205,7 @@ mod tests {
                         rank: 1,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "a new key without a match: Envoy balances, the answer teaches",
@@ -1084,7 +1214,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Learn { hash: 9 },
-                    want_counters: [Some(AffinityMiss), None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "keyless with a match goes to it",
@@ -1093,7 +1223,7 @@ mod tests {
                     anchor: None,
                     states: None,
                     want_target: Target::Direct { rank: 3 },
-                    want_counters: [None, None],
+                    want_counters: [None, None, None],
                 },
                 Row {
                     what: "keyless without: Envoy balances, nothing counted",
@@ -1102,7 +1232,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Balanced,
-                    want_counters: [None, None],
+                    want_counters: [None, None, None],
                 },
             ],
         );

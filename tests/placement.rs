@@ -301,6 +301,10 @@ fn bounded_load_with_slow_rank() {
     );
     settle();
     mock_max_inflight(&stack);
+    // One request at a time on an idle cluster: every new key went to its first choice.
+    const HOME_COUNTERS: [&str; 3] = ["home_second_work", "home_second_queue", "home_full"];
+    let before = stack.settled();
+    before.assert_zero(&HOME_COUNTERS);
 
     // Phase 2: every request a new key, so every request is placed under the
     // 1.25 bound: the bound holds for every answer.
@@ -309,6 +313,23 @@ fn bounded_load_with_slow_rank() {
     });
     let (requests, max_inflight, _) = load_figures(&answers);
     let mock_max = mock_max_inflight(&stack);
+    // A new key whose first choice is the slow rank went there or was counted as sent to another
+    // rank for its load (the reasons); about a quarter of the keys have it first.
+    let after = stack.settled();
+    let delta = |name: &str| after.get(name) - before.get(name);
+    let away: u64 = HOME_COUNTERS.iter().map(|name| delta(name)).sum();
+    println!(
+        "phase 2 homes not the first choice: {:?}, assigned {}",
+        HOME_COUNTERS.map(delta),
+        delta("assigned")
+    );
+    assert!(away > 0 && away <= delta("assigned"));
+    assert!(
+        (away + requests[SLOW as usize] as u64) * 5 >= answers.len() as u64,
+        "{away} homes counted away from their first choice and {} requests on the slow rank, of {}",
+        requests[SLOW as usize],
+        answers.len()
+    );
     println!(
         "phase 2 (new keys only): {} requests over {THREADS} connections in {PHASE:?}, slow rank {SLOW}\n  \
          requests per rank {requests:?}\n  max inflight per rank {max_inflight:?} (mock's own max {mock_max:?}), bound {placement_bound}",

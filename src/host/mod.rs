@@ -967,11 +967,15 @@ impl Filter {
             return;
         };
         debug!(
-            "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks)",
+            "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks, home {})",
             self.id,
             plan.target,
             plan.prefix,
-            key.map(|k| k.hash).or(facts.anchor)
+            key.map(|k| k.hash).or(facts.anchor),
+            plan.counters[2].map_or("-", |c| {
+                let name = c.name();
+                name.strip_prefix("dp_affinity.").unwrap_or(name)
+            })
         );
         rt.counters.add_prefix_choice(plan.prefix);
         for counter in plan.counters.into_iter().flatten() {
