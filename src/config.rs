@@ -19,6 +19,8 @@ use crate::target::{Engine, EngineTarget, PathTarget};
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
 /// the filter precompute millions of cluster names.
 pub const MAX_DP_SIZE: u32 = 4096;
+// Every rank allowed fits the rank field of an affinity table or prefix index entry.
+const _: () = assert!(MAX_DP_SIZE <= crate::table::RANKS_HELD);
 
 // ---------------------------------------------------------------------------------------------
 // The JSON shape (what operators write), with every default.

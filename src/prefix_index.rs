@@ -438,11 +438,13 @@ impl PrefixIndex {
                 Some(opened(o))
             }
             _ => {
-                let last = chain.len().checked_sub(1)?;
-                let hash = *chain.get(next.min(last + 1) - 1)?;
+                // A chain ending before the position is named by its last block: that is the
+                // position its tag may claim (off the grid: none), not the one it did not reach.
+                let at = next.min(chain.len());
+                let hash = *chain.get(at.checked_sub(1)?)?;
                 Some(Anchor {
                     hash,
-                    at: AnchorAt::Position(next),
+                    at: AnchorAt::Position(at),
                 })
             }
         }
@@ -816,8 +818,12 @@ mod tests {
             hash_of(&idx, &a_next, None, &shared),
             hash_of(&idx, &a, None, &shared)
         );
-        // A chain shorter than the next position: its last block. Empty: none.
+        // A chain shorter than the next position: its last block, and the position it was
+        // taken at (5, off the grid: its records claim none). Empty: none.
         assert_eq!(hash_of(&idx, &a[..5], None, &shared), Some(a[4]));
+        let short = idx.anchor(&a[..5], None, &shared).map(|a| a.at);
+        assert_eq!(short, Some(AnchorAt::Position(5)));
+        assert_eq!(idx.tag(short), 0);
         assert_eq!(hash_of(&idx, &[], None, &shared), None);
         assert_eq!(hash_of(&idx, &a, None, &Match::default()), Some(a[0]));
     }

@@ -61,6 +61,9 @@ pub fn holders(flags: u16) -> impl Iterator<Item = u32> {
 /// The rank's bits in an entry's rank field; the bits above hold its tag.
 const RANK_BITS: u32 = 12;
 const RANK_MASK: u16 = (1 << RANK_BITS) - 1;
+/// Ranks an entry can hold (`0..RANKS_HELD`): the configuration's `dp_size` limit must not
+/// exceed it.
+pub const RANKS_HELD: u32 = 1 << RANK_BITS;
 
 /// The largest tag an entry holds (4 bits).
 pub const MAX_TAG: u8 = 15;
