@@ -164,41 +164,47 @@ def envoy_logs(path):
     return logs
 
 
+def moved_by_other_replica(by_key):
+    """The (earlier, later) turn pairs whose later turn went through the other replica and
+    reached another rank."""
+    for turns in by_key.values():
+        for before, after in zip(turns, turns[1:]):
+            if before["target"] != after["target"] and before["rank"] != after["rank"]:
+                yield before, after
+
+
+def tally(pairs, classify):
+    """(counts, lost tokens) of `pairs` by `classify(earlier placement, later placement)`; a
+    pair it classifies as None is left out."""
+    counts, lost = collections.Counter(), collections.Counter()
+    for before, after in pairs:
+        cls = classify(before.get("placement"), after.get("placement"))
+        if cls is not None:
+            counts[cls] += 1
+            lost[cls] += repeated_not_cached(before, after)
+    return counts, lost
+
+
+def same_anchor(a, b):
+    return a is not None and b is not None and a["anchor"] is not None and a["anchor"] == b["anchor"]
+
+
 def other_replica_causes(by_key):
     """(counts, lost tokens) of the turns the other replica moved, by cause: same anchor (the
     load views chose differently within one home pair), another anchor, or not joined."""
-    counts, lost = collections.Counter(), collections.Counter()
-    for turns in by_key.values():
-        for before, after in zip(turns, turns[1:]):
-            if before["target"] == after["target"] or before["rank"] == after["rank"]:
-                continue
-            a, b = before.get("placement"), after.get("placement")
-            if a is None or b is None:
-                cause = "not joined"
-            elif a["anchor"] is not None and a["anchor"] == b["anchor"]:
-                cause = "same anchor, other choice in its home pair"
-            else:
-                cause = "another anchor"
-            counts[cause] += 1
-            lost[cause] += repeated_not_cached(before, after)
-    return counts, lost
+    def cause(a, b):
+        if a is None or b is None:
+            return "not joined"
+        return "same anchor, other choice in its home pair" if same_anchor(a, b) else "another anchor"
+    return tally(moved_by_other_replica(by_key), cause)
 
 
 def same_anchor_home_reasons(by_key):
     """(counts, lost tokens) of the same-anchor turns the other replica moved, by the homes'
     reasons on the earlier and the later turn (`?` where the log line does not say)."""
-    counts, lost = collections.Counter(), collections.Counter()
-    for turns in by_key.values():
-        for before, after in zip(turns, turns[1:]):
-            if before["target"] == after["target"] or before["rank"] == after["rank"]:
-                continue
-            a, b = before.get("placement"), after.get("placement")
-            if a is None or b is None or a["anchor"] is None or a["anchor"] != b["anchor"]:
-                continue
-            reasons = (a.get("home") or "?", b.get("home") or "?")
-            counts[reasons] += 1
-            lost[reasons] += repeated_not_cached(before, after)
-    return counts, lost
+    def reasons(a, b):
+        return (a.get("home") or "?", b.get("home") or "?") if same_anchor(a, b) else None
+    return tally(moved_by_other_replica(by_key), reasons)
 
 
 def report(path, show_sessions, inferred, block_bytes=None):

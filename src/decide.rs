@@ -51,6 +51,17 @@ pub enum HeaderStep {
     ReadBody,
 }
 
+/// Whether the caller's explicit-rank header is invalid and `on_invalid: "ignore"` treats it as
+/// absent: the host then removes it, so nothing behind the filter (an engine that honours the
+/// same header) acts on a rank the filter ignored.
+pub fn explicit_header_ignored(cfg: &Config, h: &HeaderFacts<'_>) -> bool {
+    cfg.explicit.enabled
+        && h.trusted
+        && cfg.explicit.on_invalid == OnInvalid::Ignore
+        && h.explicit
+            .is_some_and(|value| h.explicit_conflict || rank_from_header(cfg, value).is_err())
+}
+
 /// Decides from the headers alone when possible.
 ///
 /// A routing-key header settles the request here, unless the body is needed anyway: in
@@ -263,6 +274,25 @@ mod tests {
         assert!(matches!(
             decide_headers(&c, &h, true),
             HeaderStep::Decided(Decision::Key { .. })
+        ));
+        // Ignored, so removed before the request goes on; a valid one, or any in reject mode,
+        // is not (it is used, or the request is answered 400).
+        assert!(explicit_header_ignored(&c, &h));
+        assert!(explicit_header_ignored(
+            &c,
+            &headers(
+                &c,
+                &[("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "2")]
+            )
+        ));
+        assert!(!explicit_header_ignored(
+            &c,
+            &headers(&c, &[("x-data-parallel-rank", "2")])
+        ));
+        assert!(!explicit_header_ignored(&c, &headers(&c, &[JSON])));
+        assert!(!explicit_header_ignored(
+            &cfg(""),
+            &headers(&cfg(""), &[("x-data-parallel-rank", "7")])
         ));
     }
 

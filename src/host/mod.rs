@@ -14,7 +14,9 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 use crate::body_rewrite::{rewrite, RankEdit};
 use crate::chain::Chain;
 use crate::config::{Config, TargetMode};
-use crate::decide::{decide_body_with_prefix, decide_headers, resolve_key, without_body};
+use crate::decide::{
+    decide_body_with_prefix, decide_headers, explicit_header_ignored, resolve_key, without_body,
+};
 use crate::decide::{Decision, HeaderStep, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
@@ -400,6 +402,7 @@ impl RootContext for Root {
             api: None,
             prefix: None,
             answered: false,
+            finished: false,
             may_choose_rank: false,
             path_target: None,
             body_editable: false,
@@ -465,6 +468,8 @@ struct Filter {
     prefix: Option<PrefixState>,
     /// Response headers arrived (Envoy's own failure answers included).
     answered: bool,
+    /// The stream's end was handled (see [`Filter::finish`]).
+    finished: bool,
     /// The caller may choose a rank (the override is on and it is trusted): its own rank
     /// header and body fields may reach the engine.
     may_choose_rank: bool,
@@ -481,7 +486,15 @@ struct Filter {
     has_content_length: bool,
 }
 
-impl Context for Filter {}
+impl Context for Filter {
+    /// The stream's context is being destroyed. `on_log` has normally ended the stream already;
+    /// where Envoy logs a stream late or not at all (HTTP/3 defers its access log until the
+    /// client acknowledges the answer), this ends it, so its rank is never left counted.
+    fn on_done(&mut self) -> bool {
+        self.finish();
+        true
+    }
+}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -514,6 +527,9 @@ impl HttpContext for Filter {
             if cfg.explicit.enabled {
                 rt.counters.add(Counter::UntrustedRank, 1);
             }
+        }
+        if explicit_header_ignored(cfg, &facts) {
+            let _ = abi::remove_header(REQUEST_HEADERS, &cfg.explicit.header);
         }
         if facts.has_trust_header {
             // The secret is between the caller and this filter.
@@ -650,10 +666,20 @@ impl HttpContext for Filter {
     }
 
     fn on_log(&mut self) {
-        // The stream is over, whatever happened to it (answer, reset, timeout, client gone).
-        // No response at all: the key of a request sent to a rank is unpinned (a rank that
-        // never answers must not keep its conversations); nothing else, since a client can
-        // abandon its own requests at will.
+        self.finish();
+    }
+}
+
+impl Filter {
+    /// The stream is over, whatever happened to it (answer, reset, timeout, client gone): at
+    /// `on_log`, or at `on_done` when no log came first; once.
+    /// No response at all: the key of a request sent to a rank is unpinned (a rank that never
+    /// answers must not keep its conversations); nothing else, since a client can abandon its
+    /// own requests at will.
+    fn finish(&mut self) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
         if !self.answered {
             match self.routed {
                 Routed::Pinned { hash, rank } => {
@@ -668,9 +694,7 @@ impl HttpContext for Filter {
         // The request no longer loads its rank.
         self.release_acquired();
     }
-}
 
-impl Filter {
     /// The whole body is buffered: decide from it if the decision waited for it, then edit it
     /// if the engine needs the rank in it.
     fn body_complete(&mut self) -> Action {
