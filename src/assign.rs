@@ -87,25 +87,6 @@ pub fn choose_hash(
     best.or(top).map(|(_, r)| r)
 }
 
-/// The home of `key`: the highest-weighted usable rank that is not full under `bound`, unless
-/// the second-highest was given clearly less work lately (see [`clearly_less_work`]) or a queue
-/// is forming on the first (see [`queue_forming`]): "power of two choices" over the rendezvous
-/// order, with margins. Every replica considers the same two
-/// ranks for a key; the margin makes them pick the same one unless the work they saw differs by
-/// more than their samples of the traffic explain, while the second choice keeps the rank that
-/// happened to get the long conversations from running hot. Falls back like [`choose_hash`]
-/// when fewer than two ranks qualify.
-pub fn choose_hash_of_two(
-    states: &RankStates,
-    now: u32,
-    seed: u64,
-    key: u64,
-    bound: Bound,
-    blocks: u32,
-) -> Option<u32> {
-    home_of_two(states, now, seed, key, bound, blocks).map(|home| home.rank)
-}
-
 /// A request's home and why it is that rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Home {
@@ -129,7 +110,14 @@ pub enum HomeBy {
     PreferredFull,
 }
 
-/// [`choose_hash_of_two`], with the reason for its choice.
+/// The home of `key`: the highest-weighted usable rank that is not full under `bound`, unless
+/// the second-highest was given clearly less work lately (see [`clearly_less_work`]) or a queue
+/// is forming on the first (see [`queue_forming`]): "power of two choices" over the rendezvous
+/// order, with margins. Every replica considers the same two
+/// ranks for a key; the margin makes them pick the same one unless the work they saw differs by
+/// more than their samples of the traffic explain, while the second choice keeps the rank that
+/// happened to get the long conversations from running hot. Falls back like [`choose_hash`]
+/// when fewer than two ranks qualify. Says why it chose the rank it did (see [`HomeBy`]).
 pub fn home_of_two(
     states: &RankStates,
     now: u32,
@@ -177,7 +165,7 @@ pub fn home_of_two(
 }
 
 /// The two highest-weighted usable ranks of `key`, whatever their load: the ranks
-/// [`choose_hash_of_two`] chooses between when neither is full.
+/// [`home_of_two`] chooses between when neither is full.
 pub fn rendezvous_pair(states: &RankStates, now: u32, seed: u64, key: u64) -> [Option<u32>; 2] {
     top_two(states, seed, key, |rank| states.usable(rank, now))
 }
@@ -467,7 +455,9 @@ mod tests {
         let mut order: Vec<u32> = (0..4).collect();
         order.sort_by_key(|&r| std::cmp::Reverse(weight(7, 42, r)));
         let (first, second) = (order[0], order[1]);
-        let pick = |st: &RankStates, blocks: u32| choose_hash_of_two(st, 0, 7, 42, b, blocks);
+        let pick = |st: &RankStates, blocks: u32| {
+            home_of_two(st, 0, 7, 42, b, blocks).map(|home| home.rank)
+        };
         // Idle: the top of the rendezvous order, as choose_hash.
         assert_eq!(pick(&idle, 1), Some(first));
         assert_eq!(choose_hash(&idle, 0, 7, 42, b), Some(first));
@@ -499,7 +489,7 @@ mod tests {
             floor: 1,
         };
         assert_eq!(
-            choose_hash_of_two(&st, 0, 7, 42, tight, 1),
+            home_of_two(&st, 0, 7, 42, tight, 1).map(|home| home.rank),
             Some(first),
             "the second is full and the third was given more work: the top stays"
         );
