@@ -206,8 +206,10 @@ pub enum PrefixChoice {
     Hit { rank: u32, blocks: usize },
     /// No indexed prefix of at least `prefix.min_match_blocks` blocks: the next choice decides.
     Miss,
-    /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound
-    /// (`assign.load_factor`, `assign.min_capacity`) or cooling down: the next choice decides.
+    /// A prefix of `blocks` blocks is on `rank`, but the rank is full under the load bound (the
+    /// pinned one, `assign.pinned_load_factor`, from `prefix.sticky_blocks` deep: every match by
+    /// default; the new-key one, `assign.load_factor`, below) or cooling down: the next choice
+    /// decides.
     SkippedFull { rank: u32, blocks: usize },
     /// The blocks the match on `rank` saves do not outweigh the work queued there beyond the
     /// request's home (see [`prefix_choice_at`]): the request goes home.
@@ -252,6 +254,10 @@ pub struct Request {
 /// beyond what the home holds, outweigh the work already queued there beyond the home's:
 ///
 /// `saved > prefix.load_blocks × max(0, in flight there − in flight at home) + prefix.home_blocks`
+///
+/// for a shared (branched) match. A conversation's own history (unbranched) counts only the
+/// difference beyond `QUEUE_MARGIN` in flight, and gets no home bonus when its rank is the
+/// other of its anchor's two rendezvous ranks (see `outweighs_home`).
 ///
 /// So a long conversation history (80 blocks) stays over a difference of a request or two, a
 /// short shared system prompt (4 blocks) never outweighs the home's bonus, and on a quiet
