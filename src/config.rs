@@ -649,7 +649,7 @@ pub struct AssignConfig {
     /// The bound for new keys (`load_factor`, `min_capacity`).
     pub new_key_bound: Bound,
     /// The bound under which a pinned key stays (`pinned_load_factor`, and `min_capacity` ×
-    /// `pinned_load_factor` / `load_factor` as its floor: see [`pinned_floor`]).
+    /// `pinned_load_factor` / `load_factor` as its floor: see `pinned_floor`).
     pub pinned_bound: Bound,
     pub cooldown_seconds: u32,
     /// Upstream errors from this many requests the filter placed on a rank, within

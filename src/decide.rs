@@ -1,7 +1,7 @@
 //! The decision order, as values: explicit rank, then the routing key's pin, then the prompt
 //! prefix (when `prefix.enabled`), then the assigner or Envoy's balancing.
 //!
-//! The host layer feeds facts in and turns the returned `Decision` / [`Placement`] into header
+//! The host layer feeds facts in and turns the returned `Decision` / [`Placement`](crate::placement::Placement) into header
 //! changes and local replies; nothing here performs an action.
 
 use crate::assign::{room_rank, Mode};

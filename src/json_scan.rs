@@ -22,7 +22,7 @@
 //!   `utf-8-sig`); a second one, or one after whitespace, is refused as Python refuses it;
 //! - `NaN`, `Infinity` and `-Infinity` as numbers (reported as [`Value::Number`] with that text);
 //!   `-NaN`, `+Infinity`, `nan` stay errors, as in Python;
-//! - lone surrogates in `\u` escapes (see [`Scanner::string`] for the bytes they become);
+//! - lone surrogates in `\u` escapes (see `Scanner::string` for the bytes they become);
 //! - duplicate member names: every occurrence is reported, in document order, so a caller can
 //!   keep the last one as Python's `dict` does.
 //!
