@@ -3,8 +3,8 @@
 //!
 //! Why the in-flight counts converge to the truth by themselves: nobody adds to or subtracts
 //! from a shared count. Each VM (one per Envoy worker) keeps the counts of *its own* streams in
-//! memory ([`LocalLoad`]) — exact, since a VM is single-threaded and `on_log` ends every stream
-//! it saw start — and publishes them whole as its own *column* of the board, stamped with the
+//! memory ([`LocalLoad`]) — exact, since a VM is single-threaded and `on_log` (or `on_done`,
+//! whichever comes first) ends every stream it saw start — and publishes them whole as its own *column* of the board, stamped with the
 //! time of writing. The load of a rank is the sum over the columns stamped within
 //! [`LEASE_SECONDS`]. Hence:
 //! - a lost compare-and-swap loses nothing: the VM still holds the truth and its next write (the
