@@ -153,6 +153,12 @@ pub fn home_of_two(
             by: HomeBy::Preferred,
         },
     };
+    // Only a full rank puts a home below the top of the order, and at ordinary loads none is:
+    // the order is then not walked again (a hash per rank, on every placement).
+    let full = |rank| states.usable(rank, now) && !not_full(rank);
+    if !(0..states.ranks.len() as u32).any(full) {
+        return Some(home);
+    }
     // Every rank full leaves the top of the order (`choose_hash`): still the preferred one.
     let [top, _] = rendezvous_pair(states, now, seed, key);
     Some(match top {
