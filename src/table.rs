@@ -7,8 +7,10 @@
 //! prefix index uses to remember how a conversation was anchored (0 for the affinity table's
 //! keys, and in entries written before tags existed).
 //! The affinity table writes no flags; the prefix index marks positions other prompts branched
-//! from ([`FLAG_BRANCHED`]) and the other ranks known to hold them ([`holder_flag`]). Entries
-//! written before flags existed read as flag-free.
+//! from ([`FLAG_BRANCHED`]), prompt ends one prompt went on from ([`FLAG_CONTINUED`]) and the
+//! other ranks known to hold them ([`holder_flag`]). Entries written before flags existed read
+//! as flag-free (an entry written by a build that still gave rank 14 the top bit as a holder
+//! flag reads as continued: at worst one more prompt is taken for that prompt's next turn).
 //! Memory is therefore `buckets × ways × 16` bytes of values whatever clients send.
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
@@ -41,10 +43,16 @@ const ENTRY: usize = 16;
 pub const FLAG_BRANCHED: u16 = 1;
 
 /// Ranks below this have a holder flag.
-pub const HOLDER_RANKS: u32 = 15;
+pub const HOLDER_RANKS: u32 = 14;
+
+/// Entry flag: one prompt went on past this prefix-index position, where the prompt that
+/// recorded it ended; the next to go on past it marks it [`FLAG_BRANCHED`] (see
+/// `prefix_index`).
+pub const FLAG_CONTINUED: u16 = 1 << 15;
 
 /// Entry flag: rank `rank` (besides the entry's own) holds the prefix. Ranks from
-/// [`HOLDER_RANKS`] on have none (0): the flags field has 15 bits to spare.
+/// [`HOLDER_RANKS`] on have none (0): between [`FLAG_BRANCHED`] and [`FLAG_CONTINUED`] the
+/// flags field has 14 bits to spare.
 pub fn holder_flag(rank: u32) -> u16 {
     if rank < HOLDER_RANKS {
         1 << (rank + 1)
@@ -674,14 +682,14 @@ pub mod tests {
     }
 
     #[test]
-    fn holder_flags_name_ranks_below_fifteen() {
+    fn holder_flags_name_ranks_below_fourteen() {
         assert_eq!(holder_flag(0), 2);
-        assert_eq!(holder_flag(14), 1 << 15);
-        assert_eq!(holder_flag(15), 0);
+        assert_eq!(holder_flag(13), 1 << 14);
+        assert_eq!(holder_flag(14), 0);
         assert_eq!(holder_flag(u32::MAX), 0);
-        let flags = FLAG_BRANCHED | holder_flag(3) | holder_flag(14);
-        assert_eq!(holders(flags).collect::<Vec<_>>(), vec![3, 14]);
-        assert_eq!(holders(FLAG_BRANCHED).count(), 0);
+        let flags = FLAG_BRANCHED | FLAG_CONTINUED | holder_flag(3) | holder_flag(13);
+        assert_eq!(holders(flags).collect::<Vec<_>>(), vec![3, 13]);
+        assert_eq!(holders(FLAG_BRANCHED | FLAG_CONTINUED).count(), 0);
         // Several bits at once, and a second mark with one new bit writes again.
         let (s, t) = (MemStore::default(), table(1, 4));
         t.pin(&s, 42, 1, 5);

@@ -441,6 +441,48 @@ fn conversations_sent_as_one_growing_message_keep_their_rank_through_two_replica
     }
 }
 
+/// Conversations as a block-id trace replayer sends them (Mooncake's, Qwen's traces rendered as
+/// text, here 384 bytes a block): each next turn repeats the previous prompt but its last block,
+/// which the trace gives a new id once the conversation goes on, and adds two, so a prompt grows
+/// by under one 512-byte index block a turn. A turn then matches where the previous turn went on
+/// from; read as a prefix that turn branched from, the conversation was named anew and moved
+/// every other turn (and a turn crossing a grid position lost its name too).
+#[test]
+fn trace_conversations_growing_less_than_a_block_a_turn_keep_their_rank() {
+    const CONVERSATIONS: usize = 12;
+    const TURNS: usize = 8;
+    let stack = Stack::start(
+        "prefix_trace_growth",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let block = |id: usize| format!("[block {id:06}] ").repeat(24);
+    let mut next_id = 1;
+    let mut fresh = || {
+        next_id += 1;
+        next_id
+    };
+    // Block 0 (the trace's system prompt) opens every conversation; then 3 blocks of its own.
+    let mut ids: Vec<Vec<usize>> = (0..CONVERSATIONS)
+        .map(|_| vec![0, fresh(), fresh(), fresh()])
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+    for _ in 0..TURNS {
+        for (c, conversation) in ids.iter_mut().enumerate() {
+            let prompt: String = conversation.iter().map(|&id| block(id)).collect();
+            ranks[c].push(served_rank(&stack.send(&completion(&prompt))));
+            conversation.pop();
+            conversation.extend([fresh(), fresh()]);
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{CONVERSATIONS} trace conversations x {TURNS} turns: first turns per rank {homes:?}, {} \
+         moved: {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("trace conversations", &homes, &moved);
+}
+
 /// Agent loops behind one long shared prompt (96 KiB of instructions and tool definitions, sent
 /// as a completions prompt as a trace replayer does), each turn adding a 1 KiB tool result. The
 /// first session's rank is kept busy while the others start, so they start elsewhere (at low
