@@ -180,15 +180,33 @@ impl EngineTarget {
 /// `application/*+json` (parameters ignored), so a body the filter must edit is read in all of
 /// these cases: otherwise a client could send its own rank field past the filter by leaving the
 /// content type out.
+///
+/// The media type is read as FastAPI reads it: the header's bytes as Latin-1, cut at the first
+/// `;`, with Python's `str.strip()` whitespace removed from both ends (which includes `\x1c`–`\x1f`,
+/// `\x85` and `\xa0`, not only ASCII spaces), compared case-insensitively. Reading it any more
+/// strictly would let `application/json\xa0` past the filter unedited while the engine still
+/// parses the body, rank field and all. Where the two readings could differ, the filter errs on
+/// the side of editing.
 pub fn engine_parses_as_json(content_type: Option<&[u8]>) -> bool {
     let Some(ct) = content_type else {
         return true;
     };
     let media = ct.split(|&c| c == b';').next().unwrap_or(ct);
-    let media = String::from_utf8_lossy(media).trim().to_ascii_lowercase();
+    let media = python_strip(media).to_ascii_lowercase();
     media.is_empty()
-        || media == "application/json"
-        || (media.starts_with("application/") && media.ends_with("+json"))
+        || media == b"application/json"
+        || (media.starts_with(b"application/") && media.ends_with(b"+json"))
+}
+
+/// `bytes` without the characters Python's `str.strip()` removes from a Latin-1 string.
+fn python_strip(bytes: &[u8]) -> &[u8] {
+    let space = |c: &u8| matches!(c, b'\t'..=b'\r' | 0x1c..=0x20 | 0x85 | 0xa0);
+    let start = bytes.iter().position(|c| !space(c)).unwrap_or(bytes.len());
+    let end = bytes
+        .iter()
+        .rposition(|c| !space(c))
+        .map_or(start, |i| i + 1);
+    bytes.get(start..end).unwrap_or_default()
 }
 
 /// The path part of `raw` (up to `?`) percent-decoded, then the query as it came; bytes that
@@ -316,6 +334,13 @@ mod tests {
             (Some(b"text/plain"), false),
             (Some(b"application/x-www-form-urlencoded"), false),
             (Some(b"text/json"), false),
+            // Python's whitespace, stripped by the engine's HTTP layer as by the filter.
+            (Some(b"application/json\xa0"), true),
+            (Some(b"\x85application/json\x1f; charset=utf-8"), true),
+            (Some(b"\x0bAPPLICATION/LD+JSON\x0c"), true),
+            // Not whitespace to Python either: the engine reads no JSON.
+            (Some(b"application/json\x00"), false),
+            (Some(b"application/json\xc2\xa0"), false),
         ] {
             assert_eq!(engine_parses_as_json(ct), want, "{ct:?}");
         }

@@ -276,6 +276,50 @@ fn a_clients_own_rank_reaches_the_engine_only_when_trusted() {
     counters.assert_eq("explicit", 2);
 }
 
+/// The engine's HTTP layer (FastAPI) reads the content type as Latin-1 and strips Python's
+/// whitespace from it, which includes `\xa0` and `\x85`: a body sent as `application/json\xa0`
+/// is parsed as JSON there, so the filter must edit it as well, or an untrusted client's rank
+/// field reaches the engine.
+#[test]
+fn a_content_type_padded_with_python_whitespace_does_not_carry_a_clients_rank_past() {
+    let stack = engine_stack(
+        "client_rank_padded_type",
+        "sglang",
+        trusted_config(preset("sglang")),
+        &[],
+    );
+    let mut ranks = Vec::new();
+    let padded = [
+        &b"application/json\xa0"[..],
+        b"\x85application/json",
+        b"Application/JSON\xa0; charset=utf-8",
+    ];
+    for (i, content_type) in padded.iter().cycle().take(6).enumerate() {
+        let sent = format!(r#"{{"text":"padded {i}","routed_dp_rank":3}}"#);
+        let raw = support::http::raw_request_typed(GENERATE, content_type, &[], sent.as_bytes());
+        let outcome = support::http::send_raw(stack.addr(), raw, "POST");
+        let response = outcome.response.unwrap_or_else(|| {
+            panic!(
+                "{content_type:?}: no response ({:?})",
+                String::from_utf8_lossy(&outcome.received)
+            )
+        });
+        let rank = engine_rank(&response);
+        assert_eq!(echoed_rank(&response), rank, "{content_type:?}");
+        let want = sent.replace(
+            "\"routed_dp_rank\":3",
+            &format!("\"routed_dp_rank\":{rank}"),
+        );
+        assert_upstream_body(&response, &want);
+        ranks.push(rank);
+    }
+    println!("padded content types asking for rank 3 served on {ranks:?}");
+    assert!(ranks.iter().any(|&r| r != 3), "{ranks:?}");
+    // A body already naming the filter's rank needs no edit.
+    let rewritten = ranks.iter().filter(|&&r| r != 3).count() as u64;
+    stack.assert_counter("target_body_rewritten", rewritten);
+}
+
 #[test]
 fn with_no_rank_chosen_a_clients_copies_are_still_removed() {
     // Envoy mode: keyless requests are balanced by the engine; the filter chooses no rank, so

@@ -531,6 +531,16 @@ fn read_some<R: BufRead>(reader: &mut R) -> Option<Vec<u8>> {
 /// A request encoded by hand: header values are raw bytes (they need not be
 /// UTF-8). Always `connection: close`, framed by content-length.
 pub fn raw_request(path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8> {
+    raw_request_typed(path, b"application/json", headers, body)
+}
+
+/// [`raw_request`] with `content_type` (raw bytes) instead of `application/json`.
+pub fn raw_request_typed(
+    path: &str,
+    content_type: &[u8],
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Vec<u8> {
     let mut bytes = format!("POST {path} HTTP/1.1\r\nhost: localhost\r\n").into_bytes();
     for (name, value) in headers {
         bytes.extend_from_slice(name.as_bytes());
@@ -538,9 +548,11 @@ pub fn raw_request(path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8
         bytes.extend_from_slice(value);
         bytes.extend_from_slice(b"\r\n");
     }
+    bytes.extend_from_slice(b"content-type: ");
+    bytes.extend_from_slice(content_type);
     bytes.extend_from_slice(
         format!(
-            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            "\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
             body.len()
         )
         .as_bytes(),
