@@ -1141,8 +1141,23 @@ fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> 
     if raw.ways == 0 || raw.ways > 64 {
         return Err(err(&field("ways"), "must be in 1..=64"));
     }
-    if raw.ttl_seconds == 0 {
-        return Err(err(&field("ttl_seconds"), "must be at least 1"));
+    // A hit rewrites its entry's last use at most once a second (`refresh_seconds`, 0 counting
+    // as 1), and an entry is dead once unused for `ttl_seconds`: a refresh not due before that
+    // would let entries in constant use expire.
+    if raw.ttl_seconds < 2 {
+        return Err(err(
+            &field("ttl_seconds"),
+            "must be at least 2 (an entry in use is refreshed at most once a second)",
+        ));
+    }
+    if raw.refresh_seconds.max(1) >= raw.ttl_seconds {
+        return Err(err(
+            &field("refresh_seconds"),
+            format!(
+                "must be below ttl_seconds ({}): entries in use would expire before their refresh",
+                raw.ttl_seconds
+            ),
+        ));
     }
     if raw.cas_retries > 100 {
         return Err(err(&field("cas_retries"), "must be in 0..=100"));
@@ -1506,6 +1521,14 @@ mod tests {
                 "prefix.table.ttl_seconds",
             ),
             (
+                r#"{"prefix":{"table":{"ttl_seconds":1}}}"#,
+                "prefix.table.ttl_seconds",
+            ),
+            (
+                r#"{"prefix":{"table":{"ttl_seconds":60,"refresh_seconds":60}}}"#,
+                "prefix.table.refresh_seconds",
+            ),
+            (
                 r#"{"prefix":{"table":{"cas_retries":101}}}"#,
                 "prefix.table.cas_retries",
             ),
@@ -1810,6 +1833,10 @@ mod tests {
             (
                 r#"{"dp_size":4,"table":{"ttl_seconds":0}}"#,
                 "table.ttl_seconds",
+            ),
+            (
+                r#"{"dp_size":4,"table":{"ttl_seconds":10,"refresh_seconds":15}}"#,
+                "table.refresh_seconds",
             ),
             (
                 r#"{"dp_size":4,"table":{"namespace":"a b"}}"#,

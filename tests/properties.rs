@@ -1447,7 +1447,11 @@ fn check_config_result(bytes: &[u8]) {
                 .all(|n| !n.is_empty() && n.bytes().all(|b| (0x21..0x7f).contains(&b))));
             assert!((1..=1 << 24).contains(&c.table.buckets));
             assert!((1..=64).contains(&c.table.ways));
-            assert!(c.table.ttl_seconds >= 1 && c.table.cas_retries <= 100);
+            assert!(c.table.ttl_seconds >= 2 && c.table.cas_retries <= 100);
+            // An entry in use is refreshed before it expires.
+            for t in [&c.table, &c.prefix.table] {
+                assert!(t.refresh_seconds.max(1) < t.ttl_seconds, "{t:?}");
+            }
             assert!(c.key.max_bytes >= 1 && c.body.max_bytes >= 1);
             assert!(c.learn.upstream_addresses.values().all(|&r| r < c.dp_size));
             assert!(c.body.wanted_fields.iter().all(|f| !f.is_empty()));
