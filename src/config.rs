@@ -14,6 +14,7 @@ use crate::chain::PrefixHasher;
 use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
 use crate::ranks::StrikeRule;
+use crate::table::MAX_WAYS;
 use crate::target::{Engine, EngineTarget, PathTarget};
 
 /// Upper bound on `dp_size`: far above any real DP deployment, low enough that a typo cannot make
@@ -1138,8 +1139,8 @@ fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> 
     if raw.buckets == 0 || raw.buckets > 1 << 24 {
         return Err(err(&field("buckets"), "must be in 1..=16777216"));
     }
-    if raw.ways == 0 || raw.ways > 64 {
-        return Err(err(&field("ways"), "must be in 1..=64"));
+    if raw.ways == 0 || raw.ways > MAX_WAYS {
+        return Err(err(&field("ways"), format!("must be in 1..={MAX_WAYS}")));
     }
     // A hit rewrites its entry's last use at most once a second (`refresh_seconds`, 0 counting
     // as 1), and an entry is dead once unused for `ttl_seconds`: a refresh not due before that

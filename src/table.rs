@@ -112,16 +112,28 @@ impl Entry {
     }
 }
 
-/// Decodes a bucket; anything that is not a whole number of entries reads as empty.
+/// The most entries a bucket holds (`ways` is at most this).
+pub const MAX_WAYS: u32 = 64;
+
+/// Decodes a bucket; anything that is not a whole number of entries reads as empty. A bucket
+/// written with more `ways` than this table has (before a reload that lowered them) keeps its
+/// `ways` most recently used entries, in their order: entries are appended as they come, so the
+/// first ones are the oldest.
 fn decode_bucket(bytes: &[u8], ways: usize) -> Vec<Entry> {
     if !bytes.len().is_multiple_of(ENTRY) {
         return Vec::new();
     }
-    bytes
+    let mut entries: Vec<Entry> = bytes
         .chunks_exact(ENTRY)
-        .take(ways)
+        .take(MAX_WAYS as usize)
         .filter_map(Entry::decode)
-        .collect()
+        .collect();
+    while entries.len() > ways {
+        if let Some(lru) = (0..entries.len()).min_by_key(|&i| entries[i].last_used) {
+            entries.remove(lru);
+        }
+    }
+    entries
 }
 
 fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
@@ -262,10 +274,11 @@ impl AffinityTable {
         if !bytes.len().is_multiple_of(ENTRY) {
             return (Lookup::Undecodable, 0, 0);
         }
-        let ways = self.cfg.ways as usize;
+        // Every entry the bucket holds, also past `ways` (written before a reload lowered them:
+        // the next write keeps the most recently used, see `decode_bucket`).
         let found = bytes
             .chunks_exact(ENTRY)
-            .take(ways)
+            .take(MAX_WAYS as usize)
             .position(|chunk| chunk.get(0..8) == Some(&hash.to_le_bytes()[..]));
         let Some(pos) = found else {
             return (Lookup::Miss, 0, 0);
@@ -503,6 +516,27 @@ pub mod tests {
     }
 
     #[test]
+    fn a_reload_with_fewer_ways_keeps_the_most_recently_used_entries() {
+        let (s, wide) = (MemStore::default(), table(1, 4));
+        for (i, h) in [1u64, 2, 3, 4].into_iter().enumerate() {
+            wide.pin(&s, h, i as u32, 1000 + i as u32);
+        }
+        // Key 1, the oldest pin, was used last.
+        assert_eq!(wide.lookup(&s, 1, 1050, 4), Lookup::Hit { rank: 0 });
+        let narrow = table(1, 2);
+        // The entries the bucket holds are still found until the next write (at 1050: no
+        // refresh, which would make key 1 no more recent than the others).
+        assert_eq!(narrow.lookup(&s, 1, 1050, 4), Lookup::Hit { rank: 0 });
+        // The next write keeps the two most recently used (1 and 4, then 5 evicts the older).
+        narrow.pin(&s, 5, 2, 1052);
+        assert_eq!(narrow.lookup(&s, 5, 1052, 4), Lookup::Hit { rank: 2 });
+        assert_eq!(narrow.lookup(&s, 1, 1052, 4), Lookup::Hit { rank: 0 });
+        for h in [2, 3, 4] {
+            assert_eq!(narrow.lookup(&s, h, 1052, 4), Lookup::Miss, "{h}");
+        }
+    }
+
+    #[test]
     fn full_bucket_evicts_least_recently_used() {
         let (s, t) = (MemStore::default(), table(1, 2));
         t.pin(&s, 1, 0, 10);
@@ -590,7 +624,8 @@ pub mod tests {
             assert_eq!(t.pin(&s, 42, 1, 5).undecodable, 1);
             assert_eq!(t.lookup(&s, 42, 5, 4), Lookup::Hit { rank: 1 });
         }
-        // More entries than ways (e.g. after a reload with fewer ways): only `ways` are read.
+        // More entries than ways (e.g. after a reload with fewer ways): all are found until the
+        // next write, which keeps `ways` of them.
         let mut big = Vec::new();
         for i in 0..10u64 {
             Entry {
@@ -604,7 +639,10 @@ pub mod tests {
         }
         s.raw_set(&key, big);
         assert_eq!(t.lookup(&s, 3, 5, 4), Lookup::Hit { rank: 0 });
-        assert_eq!(t.lookup(&s, 8, 5, 4), Lookup::Miss);
+        assert_eq!(t.lookup(&s, 8, 5, 4), Lookup::Hit { rank: 0 });
+        t.pin(&s, 42, 1, 6);
+        let kept = s.get(&key).0.map_or(0, |b| b.len() / ENTRY);
+        assert_eq!(kept, t.cfg.ways as usize);
     }
 
     #[test]
