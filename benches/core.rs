@@ -834,7 +834,7 @@ fn board_rows(b: Budget) -> Vec<Row> {
     let sample = measure(b, |_| {
         let (rank, _) = board.acquire(&store, &mut vm, T0, 16, least_loaded);
         let rank = rank.expect("a rank is always usable");
-        black_box(board.release(&store, &mut vm, T0, rank));
+        black_box(board.release(&store, &mut vm, T0, rank, true));
     });
     let mut rows = vec![Row {
         name: "rank board acquire + release".into(),

@@ -5,8 +5,11 @@
 //!   that the rank could not be reached (connect failure, reset before the response, no healthy
 //!   upstream) at once; the rank's own 5xx, and Envoy's upstream time-outs, only once
 //!   `assign.failure_threshold` different requests got one within
-//!   `assign.failure_window_seconds` (strikes). A time-out is a strike, not proof: a client that
-//!   holds its own request open (a body it never finishes) can make one happen.
+//!   `assign.failure_window_seconds` (strikes), and each request the rank serves (2xx) cancels
+//!   one. A time-out is a strike, not proof: a client that holds its own request open (a body it
+//!   never finishes) can make one happen, as a client can make an engine answer 500 (a bad
+//!   parameter) on a rank the filter chose. Cancelled by what the rank serves, such strikes
+//!   cool down only a rank that serves less than that client fails, not one that serves others.
 //! - A request whose rank the client chose (explicit rank, bootstrap room) never counts: a
 //!   client can make an engine answer 500 (a bad parameter) on any rank it names.
 //! - A single failure, of any kind, unpins only the routing key of the request that got it.
@@ -87,6 +90,8 @@ pub struct Verdict {
     pub cool_down: bool,
     /// Count one strike against the rank (cool-down after several within the window).
     pub strike: bool,
+    /// Cancel one strike counted against the rank: it served the request.
+    pub forgive_strike: bool,
     /// Keep the prompt's chain in the index under the rank (record it, if it is not yet);
     /// otherwise what this request added to the index is withdrawn.
     pub record_prefix: bool,
@@ -100,6 +105,9 @@ pub fn judge(answer: Answer, chooser: Chooser) -> Verdict {
     match answer {
         Answer::Served => Verdict {
             record_prefix: true,
+            // As with strikes, only the filter's choices count: a client naming a rank could
+            // otherwise keep a failing rank in use with requests it knows succeed.
+            forgive_strike: filter_chose,
             ..Verdict::default()
         },
         Answer::Refused => Verdict::default(),
@@ -183,11 +191,16 @@ mod tests {
             unpin_key,
             cool_down,
             strike,
+            forgive_strike: false,
             record_prefix,
             forget_prefix,
         };
+        let served = Verdict {
+            forgive_strike: true,
+            ..v(false, false, false, true, false)
+        };
         for (answer, chooser, want) in [
-            (Served, Filter, v(false, false, false, true, false)),
+            (Served, Filter, served),
             (Served, Client, v(false, false, false, true, false)),
             (Refused, Filter, v(false, false, false, false, false)),
             (RankError, Filter, v(true, false, true, false, false)),

@@ -120,6 +120,8 @@ struct Scratch {
     recent: Vec<u32>,
     view: RankStates,
     out: Vec<u8>,
+    /// A rank one of whose strikes the write cancels (see [`RankBoard::release`]).
+    forgive: Option<usize>,
 }
 
 impl LocalLoad {
@@ -185,6 +187,17 @@ struct Board {
     columns: Vec<Column>,
 }
 
+/// Lowers the strikes of `rank` by one in a written board value (its health records are
+/// copied there unchanged, right after the header).
+fn forgive_strike(out: &mut [u8], rank: usize) {
+    let at = HEADER + rank * RANK_RECORD + 8;
+    if let Some(strikes) = u32_at(out, at).filter(|&n| n > 0) {
+        if let Some(field) = out.get_mut(at..at + 4) {
+            field.copy_from_slice(&(strikes - 1).to_le_bytes());
+        }
+    }
+}
+
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
@@ -222,6 +235,11 @@ impl<'a> BoardBytes<'a> {
 
     fn next_id(&self) -> u32 {
         u32_at(self.b, 4).unwrap_or(0)
+    }
+
+    /// The strikes counted against `rank` (0 for a rank the board does not have).
+    fn strikes(&self, rank: usize) -> u32 {
+        u32_at(self.health(), rank * RANK_RECORD + 8).unwrap_or(0)
     }
 
     /// The per-rank health records, 12 bytes each.
@@ -645,22 +663,30 @@ impl RankBoard {
         (chosen, events)
     }
 
-    /// Counts one request on `rank` as finished (never below zero) and publishes.
+    /// Counts one request on `rank` as finished (never below zero) and publishes. `served`:
+    /// the rank served it (a 2xx on a rank the filter chose), which cancels one strike counted
+    /// against the rank, in the same write. So strikes cool a rank down only while its errors
+    /// outnumber what it serves: a client failing its own requests on a rank that serves others
+    /// cannot take it out, and a rank that fails everything still goes.
     pub fn release(
         &self,
         store: &dyn Store,
         local: &mut LocalLoad,
         now: u32,
         rank: u32,
+        served: bool,
     ) -> BoardEvents {
-        self.publish_with(store, local, now, |_, _, work| {
-            match work.counts.get_mut(rank as usize) {
+        self.publish_with(store, local, now, |board, _, work| {
+            let released = match work.counts.get_mut(rank as usize) {
                 Some(n) if *n > 0 => {
                     *n -= 1;
                     true
                 }
                 _ => false,
-            }
+            };
+            let rank = rank as usize;
+            work.forgive = (served && board.strikes(rank) > 0).then_some(rank);
+            released || work.forgive.is_some()
         })
     }
 
@@ -738,6 +764,9 @@ impl RankBoard {
                 };
                 let mut out = std::mem::take(&mut work.out);
                 board.write_with_column(next_id, id, (&work.counts, &work.recent), now, &mut out);
+                if let Some(rank) = work.forgive.take() {
+                    forgive_strike(&mut out, rank);
+                }
                 work.out = out;
                 Some((changes, id))
             });
@@ -896,9 +925,9 @@ mod tests {
         let (r, _) = b.acquire(&s, &mut vm, 100, 1, |_| Some(2));
         assert_eq!(r, Some(2));
         assert_eq!(seen(&s, &b, 100), [0, 0, 1, 0]);
-        b.release(&s, &mut vm, 100, 2);
-        b.release(&s, &mut vm, 100, 2);
-        b.release(&s, &mut vm, 100, 9);
+        b.release(&s, &mut vm, 100, 2, false);
+        b.release(&s, &mut vm, 100, 2, false);
+        b.release(&s, &mut vm, 100, 9, false);
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
         assert_eq!(vm.inflight(2), 0);
         let (none, _) = b.acquire(&s, &mut vm, 100, 1, |_| None);
@@ -917,8 +946,8 @@ mod tests {
         assert_ne!(a.id, c.id, "each VM has a column of its own");
         // A VM sees the others' columns plus its own memory.
         assert_eq!(b.read(&s, &a, 100).inflight(0), 2);
-        b.release(&s, &mut a, 101, 0);
-        b.release(&s, &mut a, 101, 1);
+        b.release(&s, &mut a, 101, 0, false);
+        b.release(&s, &mut a, 101, 1, false);
         let columns = |s: &MemStore| {
             let value = s.get("t/load2/2").0.unwrap();
             Board::decode(&value, 2).unwrap().columns.len()
@@ -942,7 +971,7 @@ mod tests {
         let mut vm = LocalLoad::new(2);
         b.acquire(&s, &mut vm, 100, 1, |_| Some(1));
         s.lose_races.set(1);
-        let ev = b.release(&s, &mut vm, 100, 1);
+        let ev = b.release(&s, &mut vm, 100, 1, false);
         assert_eq!(ev.cas_exhausted, 1);
         assert_eq!(seen(&s, &b, 100), [0, 1], "the write was lost");
         assert_eq!(vm.inflight(1), 0, "but the VM knows the truth");
@@ -1038,6 +1067,39 @@ mod tests {
     }
 
     #[test]
+    fn what_a_rank_serves_cancels_its_strikes() {
+        let (s, b) = board(2, 3);
+        let mut vm = LocalLoad::new(2);
+        // Two errors, then two requests served: the strikes are gone, so a third error within
+        // the window does not cool the rank down (a client failing its own requests on a rank
+        // that serves others).
+        assert!(!b.strike(&s, 0, 100, RULE).0);
+        assert!(!b.strike(&s, 0, 101, RULE).0);
+        for _ in 0..2 {
+            b.acquire(&s, &mut vm, 102, 1, |_| Some(0));
+            b.release(&s, &mut vm, 102, 0, true);
+        }
+        assert!(!b.strike(&s, 0, 103, RULE).0);
+        assert!(!b.strike(&s, 0, 104, RULE).0);
+        // Released without being served (an error, a refusal), or served by another rank:
+        // nothing is cancelled.
+        b.acquire(&s, &mut vm, 104, 1, |_| Some(0));
+        b.release(&s, &mut vm, 104, 0, false);
+        b.acquire(&s, &mut vm, 104, 1, |_| Some(1));
+        b.release(&s, &mut vm, 104, 1, true);
+        assert!(
+            b.strike(&s, 0, 105, RULE).0,
+            "errors outnumber what it served"
+        );
+        assert!(!b.read(&s, &vm, 105).usable(0, 105));
+        // Served with no strikes counted: the count is released, nothing else changes.
+        b.acquire(&s, &mut vm, 106, 1, |_| Some(1));
+        b.release(&s, &mut vm, 106, 1, true);
+        assert_eq!(b.read(&s, &vm, 106).inflight(1), 0);
+        assert!(b.read(&s, &vm, 106).usable(1, 106));
+    }
+
+    #[test]
     fn garbage_reads_as_idle_and_is_replaced() {
         let (s, b) = board(4, 3);
         s.raw_set("t/load2/4", vec![0xff; 13]);
@@ -1085,8 +1147,8 @@ mod tests {
         let mut vm = LocalLoad::new(2);
         b.acquire(&s, &mut vm, 100, 80, |_| Some(1));
         b.acquire(&s, &mut vm, 100, 16, |_| Some(1));
-        b.release(&s, &mut vm, 100, 1);
-        b.release(&s, &mut vm, 100, 1);
+        b.release(&s, &mut vm, 100, 1, false);
+        b.release(&s, &mut vm, 100, 1, false);
         // Ended requests still count as recent work, and the board carries it to other VMs.
         let st = b.read(&s, &vm, 100);
         assert_eq!((st.recent(0), st.recent(1), st.inflight(1)), (0, 96, 0));
@@ -1102,7 +1164,7 @@ mod tests {
         assert_eq!(saw, 96);
         vm.decay();
         assert_eq!(b.read(&s, &vm, 101).recent(1), 84);
-        b.release(&s, &mut vm, 101, 0);
+        b.release(&s, &mut vm, 101, 0, false);
         assert_eq!(b.read(&s, &other, 101).recent(1), 84);
         for t in 0..60 {
             vm.decay();

@@ -141,6 +141,9 @@ fn client_chosen_failures_neither_cool_down_nor_move_conversations() {
     println!("abuse: 20 client-chosen 500s, 40 conversations, 0 moved, 0 cool-downs");
 }
 
+/// Strikes count against a rank only while its errors outnumber what it serves: each request the
+/// rank serves cancels one, so a client failing its own requests on a rank that serves others
+/// cannot cool it down, while a rank failing request after request does go.
 #[test]
 fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key() {
     let stack = Stack::start(
@@ -164,10 +167,10 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
         .map(|(k, _)| k)
         .collect();
     assert!(
-        on_target.len() >= 5,
+        on_target.len() >= 6,
         "too few keys on rank {target}: {ranks:?}"
     );
-    let (failing, bystanders) = on_target.split_at(3);
+    let (failing, bystanders) = on_target.split_at(4);
 
     // One error unpins only the key that got it.
     let failed = stack.send(&keyed(failing[0]).header("x-mock-fail", "500"));
@@ -188,12 +191,24 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
         0
     );
 
-    // Errors from three different requests within the window: the rank cools down and the
-    // conversations pinned to it move.
-    for k in &failing[1..] {
+    // The bystanders' served turns cancelled that strike: two more errors within the window
+    // leave the rank in use (before that rule, these three errors cooled it down).
+    for k in &failing[1..3] {
         let failed = stack.send(&keyed(k).header("x-mock-fail", "500"));
-        assert_eq!(failed.status, 500);
+        assert_eq!((failed.status, served_rank_of(&failed)), (500, target));
     }
+    let counters = stack.settled();
+    assert_eq!(counters.get("rank_errors"), 3);
+    assert_eq!(counters.get("rank_cooldown"), 0);
+    assert_eq!(
+        gauges(&stack.envoy, "rank_cooling_down")[target as usize],
+        0
+    );
+
+    // A third error in a row, nothing served in between: the rank cools down and the
+    // conversations pinned to it move.
+    let failed = stack.send(&keyed(failing[3]).header("x-mock-fail", "500"));
+    assert_eq!((failed.status, served_rank_of(&failed)), (500, target));
     let counters = stack.settled();
     assert_eq!(counters.get("rank_cooldown"), 1);
     let cooling = gauges(&stack.envoy, "rank_cooling_down");

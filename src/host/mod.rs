@@ -402,6 +402,7 @@ impl RootContext for Root {
             api: None,
             prefix: None,
             answered: false,
+            served: false,
             finished: false,
             may_choose_rank: false,
             path_target: None,
@@ -468,6 +469,8 @@ struct Filter {
     prefix: Option<PrefixState>,
     /// Response headers arrived (Envoy's own failure answers included).
     answered: bool,
+    /// The rank the filter chose served the request (2xx): its release cancels one strike.
+    served: bool,
     /// The stream's end was handled (see [`Filter::finish`]).
     finished: bool,
     /// The caller may choose a rank (the override is on and it is trusted): its own rank
@@ -849,7 +852,8 @@ impl Filter {
         self.release_acquired();
     }
 
-    /// The request no longer counts in flight on the rank it was counted on (if any).
+    /// The request no longer counts in flight on the rank it was counted on (if any); a rank
+    /// that served it has one strike cancelled in the same write.
     fn release_acquired(&mut self) {
         if let Some(rank) = self.acquired.take() {
             let rt = &self.rt;
@@ -858,6 +862,7 @@ impl Filter {
                 &mut rt.local.borrow_mut(),
                 rt.clock.now(),
                 rank,
+                self.served,
             );
             rt.counters.add_board_events(events);
         }
@@ -1279,6 +1284,7 @@ impl Filter {
     fn settle(&mut self, rank: u32, key: Option<u64>, chooser: Chooser, answer: Answer) {
         let verdict = judge(answer, chooser);
         let tracks_load = self.rt.cfg.assign.tracks_load();
+        self.served = verdict.forgive_strike;
         if answer == Answer::Unanswered {
             self.rt.counters.add(Counter::Unanswered, 1);
         }
