@@ -319,8 +319,13 @@ impl AffinityTable {
         let rank = u16::try_from(rank).map_or(RANK_MASK, |r| r.min(RANK_MASK));
         let tag = tag.min(MAX_TAG);
         self.update(store, hash, |entries, ways, events| {
-            // An existing entry keeps its flags: they describe the prompt, not the rank.
+            // A live entry keeps its flags: they describe the prompt, not the rank. An expired
+            // one's describe prompts and caches of long ago (a branch, ranks that held it):
+            // they go with it.
             if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
+                if !self.is_live(e, now) {
+                    e.flags = 0;
+                }
                 e.rank = rank;
                 e.tag = tag;
                 e.last_used = now;
@@ -513,6 +518,22 @@ pub mod tests {
             assert_eq!(t.lookup(&s, 1, now, 4), Lookup::Hit { rank: 0 });
         }
         assert_eq!(t.lookup(&s, 2, 1148, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn a_repin_keeps_a_live_entrys_flags_but_not_an_expired_ones() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        t.pin(&s, 42, 1, 1000);
+        t.mark(&s, 42, FLAG_BRANCHED | holder_flag(2), 1000);
+        t.pin(&s, 42, 3, 1050);
+        let flags = |now| t.lookup_flagged(&s, 42, now, 4).1;
+        assert_eq!(flags(1050), FLAG_BRANCHED | holder_flag(2));
+        // Unused for the whole ttl (100 s): pinned again, it starts without flags.
+        t.pin(&s, 42, 0, 1200);
+        assert_eq!(
+            t.lookup_flagged(&s, 42, 1200, 4),
+            (Lookup::Hit { rank: 0 }, 0, 0)
+        );
     }
 
     #[test]
