@@ -504,7 +504,10 @@ impl HttpContext for Filter {
         let headers = match HeaderMap::read(REQUEST_HEADERS) {
             Ok(h) => h,
             Err(e) => {
+                // Undecided, the request goes where Envoy balances it; never where a client's
+                // own copy of the cluster header would send it (removed unread).
                 warn!("[{}] cannot read request headers: status {}", self.id, e.0);
+                let _ = abi::remove_header(REQUEST_HEADERS, &self.rt.cfg.cluster_header);
                 return Action::Continue;
             }
         };
