@@ -731,7 +731,8 @@ impl RankBoard {
     ) -> BoardEvents {
         // Taken out for the call (the change reads `local` while it fills the scratch).
         let mut scratch = std::mem::take(&mut local.scratch);
-        let events = self.publish_attempts(store, local, now, &mut scratch, change);
+        let mut change = change;
+        let events = self.publish_attempts(store, local, now, &mut scratch, &mut change);
         local.scratch = scratch;
         events
     }
@@ -742,7 +743,9 @@ impl RankBoard {
         local: &mut LocalLoad,
         now: u32,
         work: &mut Scratch,
-        mut change: impl FnMut(BoardBytes<'_>, Option<u32>, &mut Scratch) -> bool,
+        // One body for every change (acquire, release, publish), not one per closure: the
+        // module's size is a goal.
+        change: &mut dyn FnMut(BoardBytes<'_>, Option<u32>, &mut Scratch) -> bool,
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
         let mut changed = false;
