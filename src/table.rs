@@ -128,12 +128,17 @@ fn decode_bucket(bytes: &[u8], ways: usize) -> Vec<Entry> {
         .take(MAX_WAYS as usize)
         .filter_map(Entry::decode)
         .collect();
-    while entries.len() > ways {
-        if let Some(lru) = (0..entries.len()).min_by_key(|&i| entries[i].last_used) {
-            entries.remove(lru);
-        }
-    }
+    while entries.len() > ways && remove_least_recently_used(&mut entries) {}
     entries
+}
+
+/// Removes the least recently used entry (the first of equal ones); false when there is none.
+fn remove_least_recently_used(entries: &mut Vec<Entry>) -> bool {
+    let lru = (0..entries.len()).min_by_key(|&i| entries[i].last_used);
+    if let Some(i) = lru {
+        entries.remove(i);
+    }
+    lru.is_some()
 }
 
 fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
@@ -333,11 +338,8 @@ impl AffinityTable {
             }
             // Expired entries are dropped first: they hold no pin anyone can use.
             entries.retain(|e| self.is_live(e, now));
-            if entries.len() >= ways {
-                if let Some(lru) = (0..entries.len()).min_by_key(|&i| entries[i].last_used) {
-                    entries.remove(lru);
-                    events.evictions += 1;
-                }
+            if entries.len() >= ways && remove_least_recently_used(entries) {
+                events.evictions += 1;
             }
             entries.push(Entry {
                 hash,
