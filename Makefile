@@ -116,8 +116,8 @@ validate: tools build
 	"$(PYTHON)" scripts/test-validate-deploy.py
 
 # Native unit tests of every workspace member (library and binary targets, then doc tests), and
-# the bench scripts' trace converter and move counter (scripts/test-convert-trace.py,
-# scripts/test-replica-moves.py: hand-made inputs).
+# the bench scripts' trace converter, re-keyer and move counter (scripts/test-convert-trace.py,
+# scripts/test-rekey-trace.py, scripts/test-replica-moves.py: hand-made inputs).
 # The library's include `module_graph::the_crate_has_no_import_cycle`: no module of src/ imports
 # one that imports it back.
 # Integration tests (tests/*.rs) are the e2e target's job, so they are not run twice.
@@ -125,6 +125,7 @@ unit:
 	$(CARGO) test --workspace --lib --bins
 	$(CARGO) test -p dp-affinity --doc
 	python3 scripts/test-convert-trace.py
+	python3 scripts/test-rekey-trace.py
 	python3 scripts/test-replica-moves.py
 
 e2e: tools build wasm-fault

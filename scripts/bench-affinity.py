@@ -148,7 +148,8 @@ PREFILL_US, DECODE_US, SLOTS = 50, 3000, 4
 MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token", str(DECODE_US),
               "--max-concurrency", str(SLOTS)]
 # The kv suite's load: Envoy round robin keeps the ranks this busy (see load_speed).
-KV_BUSY = 0.8
+# BENCH_KV_BUSY overrides it (for exploring other loads, not reported).
+KV_BUSY = float(os.environ.get("BENCH_KV_BUSY", "0.8"))
 # A public trace in the kv suite (`--suite kv --trace FILE`): the keyless policies, and the keyed
 # ones when every request of the trace names its session.
 KV_TRACE_KEYLESS = ["filter-shipped", "envoy-lr", "envoy-rr", "gateway-cache-aware"]

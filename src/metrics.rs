@@ -51,10 +51,11 @@ pub enum Counter {
     HomeSecondWork,
     HomeSecondQueue,
     HomeFull,
+    KeyOverruled,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 47] = [
+    pub const ALL: [Counter; 48] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -102,6 +103,7 @@ impl Counter {
         Counter::HomeSecondWork,
         Counter::HomeSecondQueue,
         Counter::HomeFull,
+        Counter::KeyOverruled,
     ];
 
     /// The metric name as defined with the host.
@@ -154,6 +156,7 @@ impl Counter {
             Counter::HomeSecondWork => "dp_affinity.home_second_work",
             Counter::HomeSecondQueue => "dp_affinity.home_second_queue",
             Counter::HomeFull => "dp_affinity.home_full",
+            Counter::KeyOverruled => "dp_affinity.key_overruled",
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! [`plan`] is the whole decision for such a request, a pure function of what the host gathered
 //! (the key and its pin, the index's answer, the prompt's anchor and size) and a snapshot of the
-//! rank state; it returns a [`Plan`] — where to route, whether to write or learn the key's pin,
+//! rank state (a pin decides unless the prompt shows the key names other conversations too:
+//! [`pin_overruled`]); it returns a [`Plan`] — where to route, whether to write or learn the key's pin,
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
@@ -24,8 +25,11 @@ pub struct Facts {
     /// The prefix index's answer for the request's prompt chain; `None`: no chain (prefix off,
     /// not an LLM path, or the body was not read), so the prefix has no say.
     pub matched: Option<Match>,
-    /// The prompt's anchor (`PrefixIndex::anchor`): stands for a key when there is none.
+    /// The prompt's anchor (`PrefixIndex::anchor`): stands for a key when there is none, or when
+    /// the prompt overrules the key's pin (see [`pin_overruled`]).
     pub anchor: Option<u64>,
+    /// The prompt's chain length in blocks (0: no chain).
+    pub chain_blocks: usize,
     /// Rotates least-in-flight ties and round robin (a per-VM counter).
     pub turn: u32,
 }
@@ -70,9 +74,9 @@ pub struct Plan {
     pub target: Target,
     /// What the prefix stage said, if it was consulted (counted by `Counters::add_prefix_choice`).
     pub prefix: Option<PrefixChoice>,
-    /// Counters to add one to: the key's outcome, `assigned`, and why the home is the rank it
-    /// is when the request went home (see [`HomeBy`]).
-    pub counters: [Option<Counter>; 3],
+    /// Counters to add one to: the key's outcome, `assigned`, why the home is the rank it is
+    /// when the request went home (see [`HomeBy`]), and `key_overruled`.
+    pub counters: [Option<Counter>; 4],
 }
 
 /// The whole placement of a request that has a key or none (explicit ranks and rooms are decided
@@ -87,9 +91,13 @@ pub fn plan(
     states: Option<&RankStates>,
     blocks: u32,
 ) -> Plan {
-    let pinned = facts.key.and_then(|k| k.pinned);
+    let overruled = facts
+        .key
+        .and_then(|k| k.pinned)
+        .is_some_and(|pin| pin_overruled(cfg, pin, facts.matched.as_ref(), facts.chain_blocks));
+    let pinned = facts.key.and_then(|k| k.pinned).filter(|_| !overruled);
     let request = Request {
-        anchor: facts.key.map(|k| k.hash).or(facts.anchor),
+        anchor: home_anchor(facts, overruled),
         blocks,
     };
     let mut home_by = None;
@@ -101,7 +109,8 @@ pub fn plan(
         states,
         request,
         || {
-            let home = states.and_then(|st| assign_home(cfg, st, now, facts, blocks))?;
+            let home = states
+                .and_then(|st| assign_home(cfg, st, now, request.anchor, facts.turn, blocks))?;
             home_by = Some(home.by);
             Some(home.rank)
         },
@@ -114,7 +123,9 @@ pub fn plan(
     };
     let (target, counters) = match (facts.key, rank) {
         (Some(key), Some(rank)) => {
-            let held = matches!(p.placed, Placed::Pin(_));
+            // A pin the prompt overruled still holds when the prompt chose its rank too.
+            let held =
+                matches!(p.placed, Placed::Pin(_)) || (overruled && key.pinned == Some(rank));
             let outcome = if held {
                 Counter::AffinityHit
             } else if key.pinned.is_some() {
@@ -122,29 +133,68 @@ pub fn plan(
             } else {
                 Counter::AffinityMiss
             };
-            let assigned = matches!(p.placed, Placed::Assigned(_)).then_some(Counter::Assigned);
+            let assigned =
+                (!held && matches!(p.placed, Placed::Assigned(_))).then_some(Counter::Assigned);
             let target = Target::Pinned {
                 hash: key.hash,
                 rank,
                 write_pin: !held,
             };
-            (target, [Some(outcome), assigned, home])
+            let overruled = (overruled && !held).then_some(Counter::KeyOverruled);
+            (target, [Some(outcome), assigned, home, overruled])
         }
         // Envoy balances: a miss the response teaches, or (with load counted) no usable rank.
         (Some(key), None) => (
             Target::Learn { hash: key.hash },
-            [Some(unplaced(states, Counter::AffinityMiss)), None, None],
+            [
+                Some(unplaced(states, Counter::AffinityMiss)),
+                None,
+                None,
+                None,
+            ],
         ),
-        (None, Some(rank)) => (Target::Direct { rank }, [None, None, home]),
+        (None, Some(rank)) => (Target::Direct { rank }, [None, None, home, None]),
         (None, None) => (
             Target::Balanced,
-            [states.map(|_| Counter::NoUsableRank), None, None],
+            [states.map(|_| Counter::NoUsableRank), None, None, None],
         ),
     };
     Plan {
         target,
         prefix: p.prefix,
         counters,
+    }
+}
+
+/// Whether the request's prompt says that its key's pin (`pin`) is not this conversation's
+/// rank: its own history (an unbranched match) is indexed on another rank, or it carries at
+/// least `prefix.home_blocks` blocks of its own past any match, which the index has never seen
+/// anywhere. A key that names one conversation meets neither (its turns find their history on
+/// its pin); one that names many does (an end user's id in `user`, an application's
+/// `prompt_cache_key`), and its pin would otherwise pull every new conversation of that user
+/// onto one rank, and the next turns of the older ones off their history whenever it moves.
+/// Measured on the kv trace with one key for every request (`scripts/bench-affinity.py --suite
+/// kv --trace <that trace>`, 4 ranks): 0.752 × oracle and TTFB p90 2.9 s with the pin
+/// deciding, against 0.999 × and 0.6 s without the key. Without a chain (prefix placement off,
+/// no prompt) the pin decides.
+fn pin_overruled(cfg: &Config, pin: u32, matched: Option<&Match>, chain_blocks: usize) -> bool {
+    let Some(m) = matched else {
+        return false;
+    };
+    if m.blocks > 0 && !m.branched {
+        return m.rank.is_some_and(|rank| rank != pin);
+    }
+    chain_blocks.saturating_sub(m.blocks) >= cfg.prefix.home_blocks.max(1) as usize
+}
+
+/// What names the request's home: its key, unless the prompt overrules the key's pin (the key
+/// names many conversations), then, as without a key, the prompt's anchor.
+fn home_anchor(facts: &Facts, overruled: bool) -> Option<u64> {
+    let key = facts.key.map(|k| k.hash);
+    if overruled {
+        facts.anchor.or(key)
+    } else {
+        key.or(facts.anchor)
     }
 }
 
@@ -162,7 +212,8 @@ fn unplaced(states: Option<&RankStates>, otherwise: Counter) -> Counter {
 /// the least loaded or the next rank in the others. `None` in `envoy` mode or with no usable
 /// rank.
 pub fn assign(cfg: &Config, st: &RankStates, now: u32, facts: &Facts, blocks: u32) -> Option<u32> {
-    assign_home(cfg, st, now, facts, blocks).map(|home| home.rank)
+    let anchor = home_anchor(facts, false);
+    assign_home(cfg, st, now, anchor, facts.turn, blocks).map(|home| home.rank)
 }
 
 /// [`assign`], with why the home is that rank.
@@ -170,7 +221,8 @@ fn assign_home(
     cfg: &Config,
     st: &RankStates,
     now: u32,
-    facts: &Facts,
+    anchor: Option<u64>,
+    turn: u32,
     blocks: u32,
 ) -> Option<Home> {
     let a = &cfg.assign;
@@ -180,12 +232,12 @@ fn assign_home(
             by: HomeBy::Preferred,
         })
     };
-    match (a.mode, facts.key.map(|k| k.hash).or(facts.anchor)) {
+    match (a.mode, anchor) {
         (Mode::Envoy, _) => None,
         (Mode::Hash, Some(anchor)) => home_of_two(st, now, a.seed, anchor, a.new_key_bound, blocks),
-        (Mode::RoundRobin, _) => preferred(choose_round_robin(st, now, facts.turn)),
+        (Mode::RoundRobin, _) => preferred(choose_round_robin(st, now, turn)),
         // No key and no anchor in hash mode, and every placement in the others.
-        _ => preferred(choose_least_inflight(st, now, facts.turn)),
+        _ => preferred(choose_least_inflight(st, now, turn)),
     }
 }
 
@@ -947,7 +999,7 @@ mod tests {
         anchor: Option<u64>,
         states: Option<RankStates>,
         want_target: Target,
-        want_counters: [Option<Counter>; 3],
+        want_counters: [Option<Counter>; 4],
     }
 
     fn key(hash: u64, pinned: Option<u32>) -> Option<KeyFacts> {
@@ -960,6 +1012,7 @@ mod tests {
                 key: r.key,
                 matched: r.matched,
                 anchor: r.anchor,
+                chain_blocks: 0,
                 turn: 0,
             };
             let p = plan(c, 0, &facts, r.states.as_ref(), 10);
@@ -1000,7 +1053,7 @@ mod tests {
                         rank: 1,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None, None],
+                    want_counters: [Some(AffinityHit), None, None, None],
                 },
                 Row {
                     what: "a new key goes home (the rendezvous rank of the key) and is pinned",
@@ -1013,7 +1066,7 @@ mod tests {
                         rank: home,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), Some(Assigned), None],
+                    want_counters: [Some(AffinityMiss), Some(Assigned), None, None],
                 },
                 Row {
                     what: "a pin over the bound moves home",
@@ -1030,7 +1083,7 @@ mod tests {
                         },
                         write_pin: true,
                     },
-                    want_counters: [Some(Moved), Some(Assigned), None],
+                    want_counters: [Some(Moved), Some(Assigned), None, None],
                 },
                 Row {
                     what: "a deep history on another rank beats the home",
@@ -1043,7 +1096,7 @@ mod tests {
                         rank: (home + 1) % 4,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None, None],
+                    want_counters: [Some(AffinityMiss), None, None, None],
                 },
                 Row {
                     what: "no key: the anchor's home, nothing to pin",
@@ -1052,7 +1105,7 @@ mod tests {
                     anchor: Some(77),
                     states: idle(),
                     want_target: Target::Direct { rank: home },
-                    want_counters: [None, None, None],
+                    want_counters: [None, None, None, None],
                 },
                 Row {
                     what: "no usable rank, keyed: Envoy balances and the answer teaches",
@@ -1061,7 +1114,7 @@ mod tests {
                     anchor: None,
                     states: Some(down.clone()),
                     want_target: Target::Learn { hash: 77 },
-                    want_counters: [Some(NoUsableRank), None, None],
+                    want_counters: [Some(NoUsableRank), None, None, None],
                 },
                 Row {
                     what: "no usable rank, keyless: Envoy balances",
@@ -1070,7 +1123,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(down),
                     want_target: Target::Balanced,
-                    want_counters: [Some(NoUsableRank), None, None],
+                    want_counters: [Some(NoUsableRank), None, None, None],
                 },
             ],
         );
@@ -1115,7 +1168,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(worked.clone()),
                     want_target: Target::Direct { rank: second },
-                    want_counters: [None, None, Some(HomeSecondWork)],
+                    want_counters: [None, None, Some(HomeSecondWork), None],
                 },
                 Row {
                     what: "a new key the same way, pinned there",
@@ -1128,7 +1181,12 @@ mod tests {
                         rank: second,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), Some(Assigned), Some(HomeSecondWork)],
+                    want_counters: [
+                        Some(AffinityMiss),
+                        Some(Assigned),
+                        Some(HomeSecondWork),
+                        None,
+                    ],
                 },
                 Row {
                     what: "a queue forming on the first: the second, counted",
@@ -1137,7 +1195,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(queued),
                     want_target: Target::Direct { rank: second },
-                    want_counters: [None, None, Some(HomeSecondQueue)],
+                    want_counters: [None, None, Some(HomeSecondQueue), None],
                 },
                 Row {
                     what: "the first is full: the next choice, counted",
@@ -1146,7 +1204,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(full),
                     want_target: past_full.target,
-                    want_counters: [None, None, Some(HomeFull)],
+                    want_counters: [None, None, Some(HomeFull), None],
                 },
                 Row {
                     what: "a history on the first decides: the home did not, nothing counted",
@@ -1155,7 +1213,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(worked),
                     want_target: Target::Direct { rank: first },
-                    want_counters: [None, None, None],
+                    want_counters: [None, None, None, None],
                 },
                 Row {
                     what: "the first choice: nothing counted",
@@ -1164,7 +1222,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(idle),
                     want_target: Target::Direct { rank: first },
-                    want_counters: [None, None, None],
+                    want_counters: [None, None, None, None],
                 },
             ],
         );
@@ -1180,6 +1238,109 @@ mod tests {
         assign(c, &busy, 0, &facts, 1).expect("three usable ranks")
     }
 
+    /// A key that many conversations share (an end user's id, an application's cache key):
+    /// the prompt tells which conversation a request continues, and overrules the pin when the
+    /// two disagree. A key of one conversation keeps its pin.
+    #[test]
+    fn a_key_shared_by_many_conversations_yields_to_their_prompts() {
+        let c = cfg(r#","prefix":{"enabled":true}"#);
+        let home_blocks = c.prefix.home_blocks as usize;
+        let idle = states(&[(0, 0); 4]);
+        let prompt_home = home_of(&c, 5);
+        let shared = |blocks, rank| Match {
+            branched: true,
+            ..matched(blocks, rank)
+        };
+        let plan_of = |pinned: Option<u32>, m: Option<Match>, chain_blocks: usize| {
+            let facts = Facts {
+                key: key(77, pinned),
+                matched: m,
+                anchor: Some(5),
+                chain_blocks,
+                turn: 0,
+            };
+            plan(&c, 0, &facts, Some(&idle), chain_blocks as u32)
+        };
+        let pinned_to = |rank, write_pin| Target::Pinned {
+            hash: 77,
+            rank,
+            write_pin,
+        };
+        use Counter::*;
+        let other = (prompt_home + 1) % 4;
+        // (what, pin, match, chain blocks, target, counters)
+        let rows = [
+            (
+                "its own history on the pin: the pin decides",
+                Some(other),
+                Some(matched(40, other)),
+                60,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None, None],
+            ),
+            (
+                "its own history on another rank: the history decides, the pin follows",
+                Some(other),
+                Some(matched(40, (other + 1) % 4)),
+                60,
+                pinned_to((other + 1) % 4, true),
+                [Some(Moved), None, None, Some(KeyOverruled)],
+            ),
+            (
+                "a new conversation past a shared prefix: the prompt's home, not the pin",
+                Some(other),
+                Some(shared(4, other)),
+                4 + home_blocks,
+                pinned_to(prompt_home, true),
+                [Some(Moved), Some(Assigned), None, Some(KeyOverruled)],
+            ),
+            (
+                "a new conversation sharing nothing: the prompt's home",
+                Some(other),
+                Some(Match::default()),
+                home_blocks,
+                pinned_to(prompt_home, true),
+                [Some(Moved), Some(Assigned), None, Some(KeyOverruled)],
+            ),
+            (
+                "less of its own than a home is worth: the pin decides",
+                Some(other),
+                Some(shared(4, (other + 1) % 4)),
+                4 + home_blocks - 1,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None, None],
+            ),
+            (
+                "a new conversation whose prompt's home is the pin: held, nothing to write",
+                Some(prompt_home),
+                Some(Match::default()),
+                home_blocks,
+                pinned_to(prompt_home, false),
+                [Some(AffinityHit), None, None, None],
+            ),
+            (
+                "no prompt chain: the pin decides",
+                Some(other),
+                None,
+                0,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None, None],
+            ),
+            (
+                "a key seen first goes to the key's home whatever its prompt",
+                None,
+                Some(Match::default()),
+                60,
+                pinned_to(home_of(&c, 77), true),
+                [Some(AffinityMiss), Some(Assigned), None, None],
+            ),
+        ];
+        for (what, pinned, m, chain_blocks, target, counters) in rows {
+            let p = plan_of(pinned, m, chain_blocks);
+            assert_eq!((p.target, p.counters), (target, counters), "{what}");
+        }
+    }
+
     #[test]
     fn plans_in_envoy_mode() {
         let c = cfg(ENVOY_MODE);
@@ -1190,7 +1351,7 @@ mod tests {
                 Row {
                     what: "a pin decides (no load is counted)",
                     key: key(9, Some(2)),
-                    matched: Some(matched(80, 1)),
+                    matched: Some(matched(80, 2)),
                     anchor: None,
                     states: None,
                     want_target: Target::Pinned {
@@ -1198,7 +1359,7 @@ mod tests {
                         rank: 2,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None, None],
+                    want_counters: [Some(AffinityHit), None, None, None],
                 },
                 Row {
                     what: "a new key follows its prompt's prefix and is pinned at once",
@@ -1211,7 +1372,7 @@ mod tests {
                         rank: 1,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None, None],
+                    want_counters: [Some(AffinityMiss), None, None, None],
                 },
                 Row {
                     what: "a new key without a match: Envoy balances, the answer teaches",
@@ -1220,7 +1381,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Learn { hash: 9 },
-                    want_counters: [Some(AffinityMiss), None, None],
+                    want_counters: [Some(AffinityMiss), None, None, None],
                 },
                 Row {
                     what: "keyless with a match goes to it",
@@ -1229,7 +1390,7 @@ mod tests {
                     anchor: None,
                     states: None,
                     want_target: Target::Direct { rank: 3 },
-                    want_counters: [None, None, None],
+                    want_counters: [None, None, None, None],
                 },
                 Row {
                     what: "keyless without: Envoy balances, nothing counted",
@@ -1238,7 +1399,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Balanced,
-                    want_counters: [None, None, None],
+                    want_counters: [None, None, None, None],
                 },
             ],
         );

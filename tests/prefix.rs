@@ -3,7 +3,7 @@
 //! prompt prefix land where it was served before; a prefix-matched rank that is full is avoided;
 //! a shared prefix yields to an idler rank while conversations stay on theirs; conversations of
 //! short turns keep one rank, and so do conversations sent as one growing message through two
-//! replicas; a long shared prompt is copied to the homes of new sessions on a
+//! replicas, and conversations that all send one key (its pin yields to their prompts); a long shared prompt is copied to the homes of new sessions on a
 //! quiet cluster instead of pulling them all onto its first holder;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
@@ -386,6 +386,72 @@ fn conversations_of_short_turns_keep_their_rank() {
         // home's margin taken at their own size of a block or two, 1 of 16 did.
         assert_kept_and_spread(&format!("{system_bytes} B system prompt"), &homes, &moved);
     }
+}
+
+/// Many conversations under one key (OpenAI's `user`, an end user's id, sent in the body): the
+/// key's pin would pull every new conversation onto one rank, and move the older ones off their
+/// history whenever it moved. The prompt overrules it: each conversation keeps its rank turn
+/// after turn, the conversations spread over the ranks, and `key_overruled` counts it. Then
+/// conversations with a key of their own each: their pins decide, `key_overruled` stays put.
+#[test]
+fn conversations_sharing_one_key_keep_their_rank_and_spread() {
+    const CONVERSATIONS: usize = 16;
+    const TURNS: usize = 3;
+    let stack = Stack::start(
+        "prefix_shared_key",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let system = "You are the assistant of a travel agency. Be precise and brief. ".repeat(32);
+    let conversations = |who: &str, key_of: &dyn Fn(usize) -> String| {
+        let mut histories: Vec<Vec<Value>> =
+            vec![vec![json!({ "role": "system", "content": system })]; CONVERSATIONS];
+        let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+        for turn in 0..TURNS {
+            for (c, history) in histories.iter_mut().enumerate() {
+                // 6 KiB of its own in the first turn: more than `prefix.home_blocks` blocks.
+                let repeat = if turn == 0 { 160 } else { 10 };
+                let question = format!("{who} {c}, question {turn}: trains to {c}? ");
+                history.push(json!({ "role": "user", "content": question.repeat(repeat) }));
+                let request = Request::post("/v1/chat/completions").json(&json!({
+                    "model": "mock", "user": key_of(c), "messages": history,
+                }));
+                ranks[c].push(served_rank(&stack.send(&request)));
+                let answer = format!("Train {c}-{turn} leaves at nine. ").repeat(8);
+                history.push(json!({ "role": "assistant", "content": answer }));
+            }
+        }
+        ranks
+    };
+    let ranks = conversations("Traveller", &|_| "one-user-for-everything".to_string());
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{CONVERSATIONS} conversations under one key: first turns per rank {homes:?}, {} moved",
+        moved.len()
+    );
+    assert_kept_and_spread("conversations under one key", &homes, &moved);
+    let shared = stack.settled();
+    // The first conversation pins the key; the second is taken for its continuation (the system
+    // prompt is not known to be shared yet); every later one is overruled at least once.
+    let overruled = shared.get("key_overruled");
+    assert!(
+        overruled >= (CONVERSATIONS - 2) as u64,
+        "key_overruled {overruled}, expected at least {}",
+        CONVERSATIONS - 2
+    );
+
+    let ranks = conversations("Passenger", &|c| format!("conversation-{c}"));
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{CONVERSATIONS} conversations, a key each: first turns per rank {homes:?}, {} moved",
+        moved.len()
+    );
+    assert_kept_and_spread("conversations with a key each", &homes, &moved);
+    let own = stack.settled();
+    own.assert_eq("key_overruled", overruled);
+    own.assert_eq(
+        "affinity_hit",
+        shared.get("affinity_hit") + (CONVERSATIONS * (TURNS - 1)) as u64,
+    );
 }
 
 /// Conversations sent as one user message that grows turn by turn (how clients that fold a

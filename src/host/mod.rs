@@ -971,11 +971,10 @@ impl Filter {
             key,
             matched,
             // No key: the prompt's anchor stands for one, so every replica gives the
-            // conversation the same home (a key is its own anchor).
-            anchor: key
-                .is_none()
-                .then(|| self.prefix.as_ref()?.anchor.map(|a| a.hash))
-                .flatten(),
+            // conversation the same home (a key is its own anchor, unless the prompt overrules
+            // its pin).
+            anchor: self.prefix.as_ref().and_then(|p| p.anchor).map(|a| a.hash),
+            chain_blocks: self.prefix.as_ref().map_or(0, |p| p.chain.len()),
             turn,
         };
         let blocks = self.prompt_blocks();
@@ -999,7 +998,7 @@ impl Filter {
             return;
         };
         debug!(
-            "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks, home {})",
+            "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks, home {}{})",
             self.id,
             plan.target,
             plan.prefix,
@@ -1007,7 +1006,12 @@ impl Filter {
             plan.counters[2].map_or("-", |c| {
                 let name = c.name();
                 name.strip_prefix("dp_affinity.").unwrap_or(name)
-            })
+            }),
+            if plan.counters[3].is_some() {
+                ", the prompt overruled the key's pin"
+            } else {
+                ""
+            }
         );
         rt.counters.add_prefix_choice(plan.prefix);
         for counter in plan.counters.into_iter().flatten() {
