@@ -181,19 +181,35 @@ fn key_decision(cfg: &Config, key: &[u8]) -> Decision {
     }
 }
 
-/// Resolves a routing key against the affinity table: the pinned rank, if any, and whether the
-/// bucket failed to decode (read as empty; worth a counter).
+/// A routing key resolved against the affinity table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved {
+    /// The rank the key is pinned to, if any.
+    pub pinned: Option<u32>,
+    /// The tag stored with the pin (0: none; see `placement::conversation_tag`).
+    pub tag: u8,
+    /// The bucket failed to decode (read as empty; worth a counter).
+    pub undecodable: bool,
+}
+
+/// Resolves a routing key against the affinity table.
 pub fn resolve_key(
     cfg: &Config,
     table: &AffinityTable,
     store: &dyn Store,
     hash: u64,
     now: u32,
-) -> (Option<u32>, bool) {
-    match table.lookup(store, hash, now, cfg.dp_size) {
+) -> Resolved {
+    let (lookup, _, tag) = table.lookup_flagged(store, hash, now, cfg.dp_size);
+    let (pinned, undecodable) = match lookup {
         Lookup::Hit { rank } => (Some(rank), false),
         Lookup::Miss => (None, false),
         Lookup::Undecodable => (None, true),
+    };
+    Resolved {
+        pinned,
+        tag,
+        undecodable,
     }
 }
 
@@ -593,11 +609,18 @@ mod tests {
         let t = AffinityTable::new(c.table.clone());
         let s = MemStore::default();
         let h = c.key.hasher.hash(b"conv-1");
-        assert_eq!(resolve_key(&c, &t, &s, h, 100), (None, false));
+        let resolved = |pinned, tag, undecodable| Resolved {
+            pinned,
+            tag,
+            undecodable,
+        };
+        assert_eq!(resolve_key(&c, &t, &s, h, 100), resolved(None, 0, false));
         t.pin(&s, h, 2, 100);
-        assert_eq!(resolve_key(&c, &t, &s, h, 101), (Some(2), false));
+        assert_eq!(resolve_key(&c, &t, &s, h, 101), resolved(Some(2), 0, false));
+        t.pin_tagged(&s, h, 3, 7, 102);
+        assert_eq!(resolve_key(&c, &t, &s, h, 103), resolved(Some(3), 7, false));
         s.raw_set(&t.bucket_key(t.bucket_of(h)), vec![1, 2, 3]);
-        assert_eq!(resolve_key(&c, &t, &s, h, 101), (None, true));
+        assert_eq!(resolve_key(&c, &t, &s, h, 103), resolved(None, 0, true));
     }
 
     // ---------------------------------------------------------------- prefix placement

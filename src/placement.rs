@@ -34,11 +34,13 @@ pub struct Facts {
     pub turn: u32,
 }
 
-/// A routing key's hash and the rank the affinity table pins it to.
+/// A routing key's hash, the rank the affinity table pins it to, and the tag of the conversation
+/// that wrote the pin (0: not known; see [`conversation_tag`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyFacts {
     pub hash: u64,
     pub pinned: Option<u32>,
+    pub tag: u8,
 }
 
 /// Where the request goes and what the host remembers about it until the response.
@@ -74,9 +76,11 @@ pub struct Plan {
     pub target: Target,
     /// What the prefix stage said, if it was consulted (counted by `Counters::add_prefix_choice`).
     pub prefix: Option<PrefixChoice>,
-    /// Counters to add one to: the key's outcome, `assigned`, why the home is the rank it is
-    /// when the request went home (see [`HomeBy`]), and `key_overruled`.
-    pub counters: [Option<Counter>; 4],
+    /// Counters to add one to: the key's outcome, `assigned`, and why the home is the rank it
+    /// is when the request went home (see [`HomeBy`]).
+    pub counters: [Option<Counter>; 3],
+    /// The tag to store with the key's pin when it is written (see [`conversation_tag`]).
+    pub pin_tag: u8,
 }
 
 /// The whole placement of a request that has a key or none (explicit ranks and rooms are decided
@@ -91,14 +95,15 @@ pub fn plan(
     states: Option<&RankStates>,
     blocks: u32,
 ) -> Plan {
+    let tag = conversation_tag(facts);
     let overruled = facts
         .key
-        .and_then(|k| k.pinned)
-        .is_some_and(|pin| pin_overruled(cfg, pin, facts.matched.as_ref(), facts.chain_blocks));
+        .is_some_and(|key| pin_overruled(key, facts.matched.as_ref(), tag));
     let pinned = facts.key.and_then(|k| k.pinned).filter(|_| !overruled);
     let request = Request {
         anchor: home_anchor(facts, overruled),
         blocks,
+        keyed: facts.key.is_some() && !overruled,
     };
     let mut home_by = None;
     let p = place(
@@ -128,63 +133,92 @@ pub fn plan(
                 matches!(p.placed, Placed::Pin(_)) || (overruled && key.pinned == Some(rank));
             let outcome = if held {
                 Counter::AffinityHit
+            } else if overruled {
+                Counter::KeyOverruled
             } else if key.pinned.is_some() {
                 Counter::Moved
             } else {
                 Counter::AffinityMiss
             };
-            let assigned =
-                (!held && matches!(p.placed, Placed::Assigned(_))).then_some(Counter::Assigned);
+            let assigned = (!held && !overruled && matches!(p.placed, Placed::Assigned(_)))
+                .then_some(Counter::Assigned);
+            // An overruled pin stays where it is: it serves the key's other conversations, and
+            // a key every request of an application sends would otherwise be rewritten by
+            // nearly every request. A held pin whose conversation is not known yet learns it.
+            let write_pin = if held {
+                key.tag == 0 && tag != 0
+            } else {
+                !overruled
+            };
             let target = Target::Pinned {
                 hash: key.hash,
                 rank,
-                write_pin: !held,
+                write_pin,
             };
-            let overruled = (overruled && !held).then_some(Counter::KeyOverruled);
-            (target, [Some(outcome), assigned, home, overruled])
+            (target, [Some(outcome), assigned, home])
         }
         // Envoy balances: a miss the response teaches, or (with load counted) no usable rank.
         (Some(key), None) => (
             Target::Learn { hash: key.hash },
-            [
-                Some(unplaced(states, Counter::AffinityMiss)),
-                None,
-                None,
-                None,
-            ],
+            [Some(unplaced(states, Counter::AffinityMiss)), None, None],
         ),
-        (None, Some(rank)) => (Target::Direct { rank }, [None, None, home, None]),
+        (None, Some(rank)) => (Target::Direct { rank }, [None, None, home]),
         (None, None) => (
             Target::Balanced,
-            [states.map(|_| Counter::NoUsableRank), None, None, None],
+            [states.map(|_| Counter::NoUsableRank), None, None],
         ),
     };
     Plan {
         target,
         prefix: p.prefix,
         counters,
+        pin_tag: tag,
     }
 }
 
-/// Whether the request's prompt says that its key's pin (`pin`) is not this conversation's
-/// rank: its own history (an unbranched match) is indexed on another rank, or it carries at
-/// least `prefix.home_blocks` blocks of its own past any match, which the index has never seen
-/// anywhere. A key that names one conversation meets neither (its turns find their history on
-/// its pin); one that names many does (an end user's id in `user`, an application's
-/// `prompt_cache_key`), and its pin would otherwise pull every new conversation of that user
-/// onto one rank, and the next turns of the older ones off their history whenever it moves.
-/// Measured on the kv trace with one key for every request (`scripts/bench-affinity.py --suite
-/// kv --trace <that trace>`, 4 ranks): 0.752 × oracle and TTFB p90 2.9 s with the pin
-/// deciding, against 0.999 × and 0.6 s without the key. Without a chain (prefix placement off,
-/// no prompt) the pin decides.
-fn pin_overruled(cfg: &Config, pin: u32, matched: Option<&Match>, chain_blocks: usize) -> bool {
-    let Some(m) = matched else {
+/// The tag of the conversation a request's prompt belongs to, as the key table stores it beside
+/// a pin (1..=15, from the prompt's anchor), or 0 when that is not known: only a prompt that
+/// goes on past a prefix known to be shared (a branched match) has an anchor every later turn
+/// of its conversation is named by too. Past nothing at all, the first prompt behind a system
+/// prompt would be named by that prompt, which its next turns, once others have shared it, are
+/// not; past an unbranched match, it is the conversation's own history (whose name the index
+/// keeps), or a prefix one other prompt went past, not known to be shared yet.
+fn conversation_tag(facts: &Facts) -> u8 {
+    match (facts.anchor, facts.matched.as_ref()) {
+        (Some(anchor), Some(m)) if m.branched && facts.chain_blocks > m.blocks => {
+            1 + (anchor % u64::from(table::MAX_TAG)) as u8
+        }
+        _ => 0,
+    }
+}
+
+/// Whether the request's prompt says that its key's pin is not this conversation's rank, when
+/// the key names many conversations (an end user's id in `user`, an application's
+/// `prompt_cache_key`): its pin would otherwise pull every new conversation of that user onto
+/// one rank, and the older ones' next turns off their history whenever it moved. Measured on
+/// the kv trace with one key for every request (`scripts/bench-affinity.py --suite kv --trace
+/// <that trace>`, 4 ranks): 0.752 × oracle and TTFB p90 2.9 s with the pin deciding, against
+/// 0.999 × and 0.6 s without the key. Two signs, either enough:
+///
+/// - its own history (an unbranched match) is indexed on a rank other than the pin that does
+///   not hold it too (a turn the pin moved to another rank records the matched position's new
+///   holder, so a conversation moved off a full rank is not sent back);
+/// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
+///   [`conversation_tag`]) differs from the one stored with the pin: another conversation
+///   wrote the pin. Either tag unknown (0): the pin decides. So a conversation whose first turn
+///   had nothing of its own keeps its pin, on every replica.
+///
+/// Without a chain (prefix placement off, no prompt) the pin decides.
+fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: u8) -> bool {
+    let (Some(pin), Some(m)) = (key.pinned, matched) else {
         return false;
     };
     if m.blocks > 0 && !m.branched {
-        return m.rank.is_some_and(|rank| rank != pin);
+        return m
+            .rank
+            .is_some_and(|rank| rank != pin && m.holders & table::holder_flag(pin) == 0);
     }
-    chain_blocks.saturating_sub(m.blocks) >= cfg.prefix.home_blocks.max(1) as usize
+    key.tag != 0 && tag != 0 && key.tag != tag
 }
 
 /// What names the request's home: its key, unless the prompt overrules the key's pin (the key
@@ -298,6 +332,8 @@ pub struct Request {
     pub anchor: Option<u64>,
     /// The prompt's size in blocks.
     pub blocks: u32,
+    /// The home is named by a routing key (not by the prompt's anchor).
+    pub keyed: bool,
 }
 
 /// [`prefix_choice`] weighed against the request's *home*: the rank the assigner gives it
@@ -420,8 +456,14 @@ fn outweighs_home(
     // the first as soon as the load evens out, and lose what it had. The load term stays.
     let in_home_pair =
         |anchor| rendezvous_pair(st, now, cfg.assign.seed, anchor).contains(&Some(rank));
+    //
+    // A key's request that the prefix stage sees has no pin here: its conversation's earlier
+    // turns, had they come through this Envoy, would have pinned it. So what it matches is
+    // another conversation's (a prefix only one other prompt went past yet reads as
+    // unbranched), and it earns the bonus: a replica that has not indexed that prefix sends the
+    // key home, and so must this one, or the two pin the key to different ranks for good.
     let bonus = match (cfg.assign.mode, request.anchor) {
-        (Mode::Hash, Some(anchor)) if !m.branched && in_home_pair(anchor) => 0,
+        (Mode::Hash, Some(anchor)) if !m.branched && !request.keyed && in_home_pair(anchor) => 0,
         (Mode::Hash, _) => cfg.prefix.home_blocks,
         _ => 0,
     };
@@ -768,6 +810,7 @@ mod tests {
         let request = Request {
             anchor: None,
             blocks: 200,
+            keyed: false,
         };
         let weigh =
             |m: &Match, st: &RankStates| prefix_choice_at(&c, m, Some(st), 10, Some(2), request);
@@ -999,11 +1042,15 @@ mod tests {
         anchor: Option<u64>,
         states: Option<RankStates>,
         want_target: Target,
-        want_counters: [Option<Counter>; 4],
+        want_counters: [Option<Counter>; 3],
     }
 
     fn key(hash: u64, pinned: Option<u32>) -> Option<KeyFacts> {
-        Some(KeyFacts { hash, pinned })
+        Some(KeyFacts {
+            hash,
+            pinned,
+            tag: 0,
+        })
     }
 
     fn check(c: &Config, rows: &[Row]) {
@@ -1053,7 +1100,7 @@ mod tests {
                         rank: 1,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None, None, None],
+                    want_counters: [Some(AffinityHit), None, None],
                 },
                 Row {
                     what: "a new key goes home (the rendezvous rank of the key) and is pinned",
@@ -1066,7 +1113,7 @@ mod tests {
                         rank: home,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), Some(Assigned), None, None],
+                    want_counters: [Some(AffinityMiss), Some(Assigned), None],
                 },
                 Row {
                     what: "a pin over the bound moves home",
@@ -1083,7 +1130,7 @@ mod tests {
                         },
                         write_pin: true,
                     },
-                    want_counters: [Some(Moved), Some(Assigned), None, None],
+                    want_counters: [Some(Moved), Some(Assigned), None],
                 },
                 Row {
                     what: "a deep history on another rank beats the home",
@@ -1096,7 +1143,7 @@ mod tests {
                         rank: (home + 1) % 4,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None, None, None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "no key: the anchor's home, nothing to pin",
@@ -1105,7 +1152,7 @@ mod tests {
                     anchor: Some(77),
                     states: idle(),
                     want_target: Target::Direct { rank: home },
-                    want_counters: [None, None, None, None],
+                    want_counters: [None, None, None],
                 },
                 Row {
                     what: "no usable rank, keyed: Envoy balances and the answer teaches",
@@ -1114,7 +1161,7 @@ mod tests {
                     anchor: None,
                     states: Some(down.clone()),
                     want_target: Target::Learn { hash: 77 },
-                    want_counters: [Some(NoUsableRank), None, None, None],
+                    want_counters: [Some(NoUsableRank), None, None],
                 },
                 Row {
                     what: "no usable rank, keyless: Envoy balances",
@@ -1123,7 +1170,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(down),
                     want_target: Target::Balanced,
-                    want_counters: [Some(NoUsableRank), None, None, None],
+                    want_counters: [Some(NoUsableRank), None, None],
                 },
             ],
         );
@@ -1168,7 +1215,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(worked.clone()),
                     want_target: Target::Direct { rank: second },
-                    want_counters: [None, None, Some(HomeSecondWork), None],
+                    want_counters: [None, None, Some(HomeSecondWork)],
                 },
                 Row {
                     what: "a new key the same way, pinned there",
@@ -1181,12 +1228,7 @@ mod tests {
                         rank: second,
                         write_pin: true,
                     },
-                    want_counters: [
-                        Some(AffinityMiss),
-                        Some(Assigned),
-                        Some(HomeSecondWork),
-                        None,
-                    ],
+                    want_counters: [Some(AffinityMiss), Some(Assigned), Some(HomeSecondWork)],
                 },
                 Row {
                     what: "a queue forming on the first: the second, counted",
@@ -1195,7 +1237,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(queued),
                     want_target: Target::Direct { rank: second },
-                    want_counters: [None, None, Some(HomeSecondQueue), None],
+                    want_counters: [None, None, Some(HomeSecondQueue)],
                 },
                 Row {
                     what: "the first is full: the next choice, counted",
@@ -1204,7 +1246,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(full),
                     want_target: past_full.target,
-                    want_counters: [None, None, Some(HomeFull), None],
+                    want_counters: [None, None, Some(HomeFull)],
                 },
                 Row {
                     what: "a history on the first decides: the home did not, nothing counted",
@@ -1213,7 +1255,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(worked),
                     want_target: Target::Direct { rank: first },
-                    want_counters: [None, None, None, None],
+                    want_counters: [None, None, None],
                 },
                 Row {
                     what: "the first choice: nothing counted",
@@ -1222,7 +1264,7 @@ mod tests {
                     anchor: Some(77),
                     states: Some(idle),
                     want_target: Target::Direct { rank: first },
-                    want_counters: [None, None, None, None],
+                    want_counters: [None, None, None],
                 },
             ],
         );
@@ -1244,100 +1286,136 @@ mod tests {
     #[test]
     fn a_key_shared_by_many_conversations_yields_to_their_prompts() {
         let c = cfg(r#","prefix":{"enabled":true}"#);
-        let home_blocks = c.prefix.home_blocks as usize;
         let idle = states(&[(0, 0); 4]);
         let prompt_home = home_of(&c, 5);
+        let tag = 1 + (5 % u64::from(table::MAX_TAG)) as u8;
+        let other = (prompt_home + 1) % 4;
+        let third = (prompt_home + 2) % 4;
         let shared = |blocks, rank| Match {
             branched: true,
             ..matched(blocks, rank)
         };
-        let plan_of = |pinned: Option<u32>, m: Option<Match>, chain_blocks: usize| {
-            let facts = Facts {
-                key: key(77, pinned),
-                matched: m,
-                anchor: Some(5),
-                chain_blocks,
-                turn: 0,
-            };
-            plan(&c, 0, &facts, Some(&idle), chain_blocks as u32)
+        let history_held_by_pin = Match {
+            holders: table::holder_flag(other),
+            ..matched(40, third)
         };
         let pinned_to = |rank, write_pin| Target::Pinned {
             hash: 77,
             rank,
             write_pin,
         };
+        let pin = |pinned, tag| {
+            Some(KeyFacts {
+                hash: 77,
+                pinned,
+                tag,
+            })
+        };
         use Counter::*;
-        let other = (prompt_home + 1) % 4;
-        // (what, pin, match, chain blocks, target, counters)
+        // (what, key, match, chain blocks, target, counters)
         let rows = [
             (
                 "its own history on the pin: the pin decides",
-                Some(other),
+                pin(Some(other), tag + 1),
                 Some(matched(40, other)),
                 60,
                 pinned_to(other, false),
-                [Some(AffinityHit), None, None, None],
+                [Some(AffinityHit), None, None],
             ),
             (
-                "its own history on another rank: the history decides, the pin follows",
-                Some(other),
-                Some(matched(40, (other + 1) % 4)),
+                "its own history on another rank: the history decides, the pin stays",
+                pin(Some(other), tag),
+                Some(matched(40, third)),
                 60,
-                pinned_to((other + 1) % 4, true),
-                [Some(Moved), None, None, Some(KeyOverruled)],
+                pinned_to(third, false),
+                [Some(KeyOverruled), None, None],
             ),
             (
-                "a new conversation past a shared prefix: the prompt's home, not the pin",
-                Some(other),
-                Some(shared(4, other)),
-                4 + home_blocks,
-                pinned_to(prompt_home, true),
-                [Some(Moved), Some(Assigned), None, Some(KeyOverruled)],
-            ),
-            (
-                "a new conversation sharing nothing: the prompt's home",
-                Some(other),
-                Some(Match::default()),
-                home_blocks,
-                pinned_to(prompt_home, true),
-                [Some(Moved), Some(Assigned), None, Some(KeyOverruled)],
-            ),
-            (
-                "less of its own than a home is worth: the pin decides",
-                Some(other),
-                Some(shared(4, (other + 1) % 4)),
-                4 + home_blocks - 1,
+                "its own history elsewhere, but the pin's rank holds it too (the key moved there)",
+                pin(Some(other), tag),
+                Some(history_held_by_pin),
+                60,
                 pinned_to(other, false),
-                [Some(AffinityHit), None, None, None],
+                [Some(AffinityHit), None, None],
             ),
             (
-                "a new conversation whose prompt's home is the pin: held, nothing to write",
-                Some(prompt_home),
-                Some(Match::default()),
-                home_blocks,
+                "nothing of its own indexed, another conversation's pin: the prompt's home",
+                pin(Some(other), tag + 1),
+                Some(shared(4, other)),
+                20,
                 pinned_to(prompt_home, false),
-                [Some(AffinityHit), None, None, None],
+                [Some(KeyOverruled), None, None],
+            ),
+            (
+                "nothing indexed at all: not known to be another conversation, the pin decides",
+                pin(Some(other), tag + 1),
+                Some(Match::default()),
+                20,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "nothing of its own indexed, its own conversation's pin: the pin decides",
+                pin(Some(other), tag),
+                Some(shared(4, other)),
+                20,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "a pin whose conversation is not known (its first turn was all shared): the \
+                 pin decides and learns this one",
+                pin(Some(other), 0),
+                Some(shared(4, other)),
+                20,
+                pinned_to(other, true),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "a prompt with nothing of its own past a shared prefix: the pin decides",
+                pin(Some(other), tag + 1),
+                Some(shared(4, third)),
+                4,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "overruled, and the prompt's home is the pin: held",
+                pin(Some(prompt_home), tag + 1),
+                Some(shared(4, third)),
+                20,
+                pinned_to(prompt_home, false),
+                [Some(AffinityHit), None, None],
             ),
             (
                 "no prompt chain: the pin decides",
-                Some(other),
+                pin(Some(other), tag + 1),
                 None,
                 0,
                 pinned_to(other, false),
-                [Some(AffinityHit), None, None, None],
+                [Some(AffinityHit), None, None],
             ),
             (
-                "a key seen first goes to the key's home whatever its prompt",
-                None,
-                Some(Match::default()),
+                "a key seen first goes to the key's home whatever its prompt, pinned with its tag",
+                pin(None, 0),
+                Some(shared(4, third)),
                 60,
                 pinned_to(home_of(&c, 77), true),
-                [Some(AffinityMiss), Some(Assigned), None, None],
+                [Some(AffinityMiss), Some(Assigned), None],
             ),
         ];
-        for (what, pinned, m, chain_blocks, target, counters) in rows {
-            let p = plan_of(pinned, m, chain_blocks);
+        for (what, key, m, chain_blocks, target, counters) in rows {
+            let facts = Facts {
+                key,
+                matched: m,
+                anchor: Some(5),
+                chain_blocks,
+                turn: 0,
+            };
+            let p = plan(&c, 0, &facts, Some(&idle), chain_blocks as u32);
             assert_eq!((p.target, p.counters), (target, counters), "{what}");
+            let known = m.is_some_and(|m| m.branched && chain_blocks > m.blocks);
+            assert_eq!(p.pin_tag, if known { tag } else { 0 }, "{what}");
         }
     }
 
@@ -1349,9 +1427,12 @@ mod tests {
             &c,
             &[
                 Row {
-                    what: "a pin decides (no load is counted)",
+                    what: "a pin decides over a shared prefix elsewhere (no load is counted)",
                     key: key(9, Some(2)),
-                    matched: Some(matched(80, 2)),
+                    matched: Some(Match {
+                        branched: true,
+                        ..matched(80, 1)
+                    }),
                     anchor: None,
                     states: None,
                     want_target: Target::Pinned {
@@ -1359,7 +1440,7 @@ mod tests {
                         rank: 2,
                         write_pin: false,
                     },
-                    want_counters: [Some(AffinityHit), None, None, None],
+                    want_counters: [Some(AffinityHit), None, None],
                 },
                 Row {
                     what: "a new key follows its prompt's prefix and is pinned at once",
@@ -1372,7 +1453,7 @@ mod tests {
                         rank: 1,
                         write_pin: true,
                     },
-                    want_counters: [Some(AffinityMiss), None, None, None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "a new key without a match: Envoy balances, the answer teaches",
@@ -1381,7 +1462,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Learn { hash: 9 },
-                    want_counters: [Some(AffinityMiss), None, None, None],
+                    want_counters: [Some(AffinityMiss), None, None],
                 },
                 Row {
                     what: "keyless with a match goes to it",
@@ -1390,7 +1471,7 @@ mod tests {
                     anchor: None,
                     states: None,
                     want_target: Target::Direct { rank: 3 },
-                    want_counters: [None, None, None, None],
+                    want_counters: [None, None, None],
                 },
                 Row {
                     what: "keyless without: Envoy balances, nothing counted",
@@ -1399,7 +1480,7 @@ mod tests {
                     anchor: Some(3),
                     states: None,
                     want_target: Target::Balanced,
-                    want_counters: [None, None, None, None],
+                    want_counters: [None, None, None],
                 },
             ],
         );

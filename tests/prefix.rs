@@ -431,7 +431,8 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
     assert_kept_and_spread("conversations under one key", &homes, &moved);
     let shared = stack.settled();
     // The first conversation pins the key; the second is taken for its continuation (the system
-    // prompt is not known to be shared yet); every later one is overruled at least once.
+    // prompt is not known to be shared yet); the third teaches the pin its tag; most later ones
+    // are overruled, and so are the next turns of those not on the pin's rank.
     let overruled = shared.get("key_overruled");
     assert!(
         overruled >= (CONVERSATIONS - 2) as u64,
@@ -452,6 +453,58 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
         "affinity_hit",
         shared.get("affinity_hit") + (CONVERSATIONS * (TURNS - 1)) as u64,
     );
+}
+
+/// Keyed conversations whose first turn has nothing of its own to index (a question shorter
+/// than a block, with and without a shared system prompt), their turns alternating between two
+/// Envoy replicas: the key decides, every turn on the rank of the first. Neither replica's index
+/// knows the conversation when its next turn arrives (the first recorded nothing of its own,
+/// the second went through the other replica), and the pin was written before the conversation
+/// had a name of its own: the prompt must not take that for another conversation's pin (a rule
+/// that did moved 30 of 40 such conversations back and forth for good).
+#[test]
+fn keyed_conversations_with_a_short_first_turn_keep_their_rank_through_two_replicas() {
+    const CONVERSATIONS: usize = 12;
+    const TURNS: usize = 6;
+    for system_bytes in [0, 2048] {
+        let mut stack = Stack::start(
+            &format!("prefix_keyed_short_first_turn_{system_bytes}"),
+            StackOptions::new(support::requests::default_config(json!({}))),
+        );
+        let b = stack.replica();
+        let system = "You answer questions about trains, briefly and exactly. ".repeat(40);
+        let opening = match system_bytes {
+            0 => vec![],
+            n => vec![json!({ "role": "system", "content": system[..n] })],
+        };
+        let mut histories: Vec<Vec<Value>> = vec![opening; CONVERSATIONS];
+        let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+        for turn in 0..TURNS {
+            for (c, history) in histories.iter_mut().enumerate() {
+                let question = format!("Rider {c}, question {turn}: the train to {c}? ");
+                let repeat = if turn == 0 { 1 } else { 40 };
+                history.push(json!({ "role": "user", "content": question.repeat(repeat) }));
+                let request = Request::post("/v1/chat/completions")
+                    .header(KEY_HEADER, &format!("rider-{c}"))
+                    .json(&json!({ "model": "mock", "messages": history }));
+                let via = if (turn + c) % 2 == 0 {
+                    &stack.envoy
+                } else {
+                    &b
+                };
+                ranks[c].push(served_rank(&via.send(&request)));
+                let answer = format!("Train {c}-{turn} leaves from platform {c}. ").repeat(20);
+                history.push(json!({ "role": "assistant", "content": answer }));
+            }
+        }
+        let (homes, moved) = homes_and_moves(&ranks);
+        println!(
+            "{CONVERSATIONS} keyed conversations, {system_bytes} B system prompt, a short first \
+             turn, over two replicas: first turns per rank {homes:?}, {} moved: {moved:?}",
+            moved.len()
+        );
+        assert_kept_and_spread(&format!("{system_bytes} B system prompt"), &homes, &moved);
+    }
 }
 
 /// Conversations sent as one user message that grows turn by turn (how clients that fold a

@@ -905,14 +905,17 @@ impl Filter {
                 if too_long {
                     rt.counters.add(Counter::KeyTooLong, 1);
                 }
-                let (pinned, undecodable) =
-                    resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
-                if undecodable {
+                let resolved = resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
+                if resolved.undecodable {
                     rt.counters.add(Counter::BucketUndecodable, 1);
                 }
                 // Looked up even when the pin will decide: recording then writes only what the
                 // index does not hold yet (usually nothing, for a conversation's next turn).
-                let key = KeyFacts { hash, pinned };
+                let key = KeyFacts {
+                    hash,
+                    pinned: resolved.pinned,
+                    tag: resolved.tag,
+                };
                 self.place(Some(key), from_body);
             }
             Decision::Fallback(reason) => {
@@ -997,17 +1000,18 @@ impl Filter {
         let Some(plan) = plan else {
             return;
         };
+        let overruled = plan.counters[0] == Some(Counter::KeyOverruled);
         debug!(
             "[{}] placed: {:?} (prefix {:?}, anchor {:?}, {blocks} blocks, home {}{})",
             self.id,
             plan.target,
             plan.prefix,
-            key.map(|k| k.hash).or(facts.anchor),
+            key.map(|k| k.hash).filter(|_| !overruled).or(facts.anchor),
             plan.counters[2].map_or("-", |c| {
                 let name = c.name();
                 name.strip_prefix("dp_affinity.").unwrap_or(name)
             }),
-            if plan.counters[3].is_some() {
+            if overruled {
                 ", the prompt overruled the key's pin"
             } else {
                 ""
@@ -1024,8 +1028,10 @@ impl Filter {
                 write_pin,
             } => {
                 if write_pin {
-                    rt.counters
-                        .add_table_events(rt.table.pin(&SharedData, hash, rank, now));
+                    let events = rt
+                        .table
+                        .pin_tagged(&SharedData, hash, rank, plan.pin_tag, now);
+                    rt.counters.add_table_events(events);
                 }
                 self.route_to(rank, from_body);
                 self.record_prefix(rank);
