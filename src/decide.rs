@@ -186,8 +186,10 @@ fn key_decision(cfg: &Config, key: &[u8]) -> Decision {
 pub struct Resolved {
     /// The rank the key is pinned to, if any.
     pub pinned: Option<u32>,
-    /// The tag stored with the pin (0: none; see `placement::conversation_tag`).
+    /// The conversation tag stored with the pin (0: none; see `placement::conversation_tag`).
     pub tag: u8,
+    /// The prefix depth that tag was taken at (the pin entry's flags field).
+    pub depth: u16,
     /// The bucket failed to decode (read as empty; worth a counter).
     pub undecodable: bool,
 }
@@ -200,7 +202,7 @@ pub fn resolve_key(
     hash: u64,
     now: u32,
 ) -> Resolved {
-    let (lookup, _, tag) = table.lookup_flagged(store, hash, now, cfg.dp_size);
+    let (lookup, depth, tag) = table.lookup_flagged(store, hash, now, cfg.dp_size);
     let (pinned, undecodable) = match lookup {
         Lookup::Hit { rank } => (Some(rank), false),
         Lookup::Miss => (None, false),
@@ -209,6 +211,7 @@ pub fn resolve_key(
     Resolved {
         pinned,
         tag,
+        depth,
         undecodable,
     }
 }
@@ -609,18 +612,30 @@ mod tests {
         let t = AffinityTable::new(c.table.clone());
         let s = MemStore::default();
         let h = c.key.hasher.hash(b"conv-1");
-        let resolved = |pinned, tag, undecodable| Resolved {
+        let resolved = |pinned, tag, depth, undecodable| Resolved {
             pinned,
             tag,
+            depth,
             undecodable,
         };
-        assert_eq!(resolve_key(&c, &t, &s, h, 100), resolved(None, 0, false));
+        assert_eq!(resolve_key(&c, &t, &s, h, 100), resolved(None, 0, 0, false));
         t.pin(&s, h, 2, 100);
-        assert_eq!(resolve_key(&c, &t, &s, h, 101), resolved(Some(2), 0, false));
-        t.pin_tagged(&s, h, 3, 7, 102);
-        assert_eq!(resolve_key(&c, &t, &s, h, 103), resolved(Some(3), 7, false));
+        assert_eq!(
+            resolve_key(&c, &t, &s, h, 101),
+            resolved(Some(2), 0, 0, false)
+        );
+        t.pin_flagged(&s, h, 3, 7, 300, 102);
+        assert_eq!(
+            resolve_key(&c, &t, &s, h, 103),
+            resolved(Some(3), 7, 300, false)
+        );
+        t.pin_flagged(&s, h, 1, 0, 0, 104);
+        assert_eq!(
+            resolve_key(&c, &t, &s, h, 105),
+            resolved(Some(1), 0, 0, false)
+        );
         s.raw_set(&t.bucket_key(t.bucket_of(h)), vec![1, 2, 3]);
-        assert_eq!(resolve_key(&c, &t, &s, h, 103), resolved(None, 0, true));
+        assert_eq!(resolve_key(&c, &t, &s, h, 105), resolved(None, 0, 0, true));
     }
 
     // ---------------------------------------------------------------- prefix placement

@@ -30,17 +30,22 @@ pub struct Facts {
     pub anchor: Option<u64>,
     /// The prompt's chain length in blocks (0: no chain).
     pub chain_blocks: usize,
+    /// The anchor names every later turn of the prompt's conversation too: the chat's opening,
+    /// or a position the chain goes past (not its last block, which the next turn extends).
+    pub anchor_stable: bool,
     /// Rotates least-in-flight ties and round robin (a per-VM counter).
     pub turn: u32,
 }
 
 /// A routing key's hash, the rank the affinity table pins it to, and the tag of the conversation
-/// that wrote the pin (0: not known; see [`conversation_tag`]).
+/// that wrote the pin (0: not known) with the depth it was taken at (see [`conversation_tag`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyFacts {
     pub hash: u64,
     pub pinned: Option<u32>,
     pub tag: u8,
+    /// The prefix depth (blocks) the pin's tag was taken past.
+    pub depth: u16,
 }
 
 /// Where the request goes and what the host remembers about it until the response.
@@ -79,8 +84,9 @@ pub struct Plan {
     /// Counters to add one to: the key's outcome, `assigned`, and why the home is the rank it
     /// is when the request went home (see [`HomeBy`]).
     pub counters: [Option<Counter>; 3],
-    /// The tag to store with the key's pin when it is written (see [`conversation_tag`]).
-    pub pin_tag: u8,
+    /// The conversation tag and depth to store with the key's pin when it is written (see
+    /// [`conversation_tag`]).
+    pub pin_tag: Tag,
 }
 
 /// The whole placement of a request that has a key or none (explicit ranks and rooms are decided
@@ -103,7 +109,7 @@ pub fn plan(
     let request = Request {
         anchor: home_anchor(facts, overruled),
         blocks,
-        keyed: facts.key.is_some() && !overruled,
+        keyed: facts.key.is_some_and(|k| k.pinned.is_none()),
     };
     let mut home_by = None;
     let p = place(
@@ -146,7 +152,7 @@ pub fn plan(
             // a key every request of an application sends would otherwise be rewritten by
             // nearly every request. A held pin whose conversation is not known yet learns it.
             let write_pin = if held {
-                key.tag == 0 && tag != 0
+                key.tag == 0 && tag.tag != 0
             } else {
                 !overruled
             };
@@ -168,27 +174,48 @@ pub fn plan(
             [states.map(|_| Counter::NoUsableRank), None, None],
         ),
     };
+    // A pin that moves keeps the tag it had when this request knows none.
+    let keep = facts.key.filter(|k| tag.tag == 0 && k.pinned.is_some());
     Plan {
         target,
         prefix: p.prefix,
         counters,
-        pin_tag: tag,
+        pin_tag: keep.map_or(tag, |k| Tag {
+            tag: k.tag,
+            depth: k.depth,
+        }),
     }
 }
 
+/// A conversation's tag (1..=15; 0: not known) and the prefix depth, in blocks, it was taken
+/// past (see [`conversation_tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tag {
+    pub tag: u8,
+    pub depth: u16,
+}
+
 /// The tag of the conversation a request's prompt belongs to, as the key table stores it beside
-/// a pin (1..=15, from the prompt's anchor), or 0 when that is not known: only a prompt that
-/// goes on past a prefix known to be shared (a branched match) has an anchor every later turn
-/// of its conversation is named by too. Past nothing at all, the first prompt behind a system
-/// prompt would be named by that prompt, which its next turns, once others have shared it, are
-/// not; past an unbranched match, it is the conversation's own history (whose name the index
-/// keeps), or a prefix one other prompt went past, not known to be shared yet.
-fn conversation_tag(facts: &Facts) -> u8 {
+/// a pin (1..=15, from the prompt's anchor, with the depth of the shared prefix it was taken
+/// past), or 0 when that is not known. Known only for a prompt that goes on past a prefix the
+/// index knows to be shared (a branched match), with an anchor every later turn keeps (the chat's
+/// opening, or a position the chain goes past): past nothing at all, the first prompt behind a
+/// system prompt would be named by that prompt, which its next turns, once others have shared
+/// it, are not; past an unbranched match the prompt is the conversation's own history, or a
+/// prefix one other prompt went past; and a name taken at the chain's last block changes with
+/// the next turn (a block-id trace's turns that replace their last partial block mark their own
+/// ends branched, and would read as another conversation every other turn).
+fn conversation_tag(facts: &Facts) -> Tag {
     match (facts.anchor, facts.matched.as_ref()) {
-        (Some(anchor), Some(m)) if m.branched && facts.chain_blocks > m.blocks => {
-            1 + (anchor % u64::from(table::MAX_TAG)) as u8
+        (Some(anchor), Some(m))
+            if m.branched && facts.chain_blocks > m.blocks && facts.anchor_stable =>
+        {
+            Tag {
+                tag: 1 + (anchor % u64::from(table::MAX_TAG)) as u8,
+                depth: u16::try_from(m.blocks).unwrap_or(u16::MAX),
+            }
         }
-        _ => 0,
+        _ => Tag::default(),
     }
 }
 
@@ -202,23 +229,31 @@ fn conversation_tag(facts: &Facts) -> u8 {
 ///
 /// - its own history (an unbranched match) is indexed on a rank other than the pin that does
 ///   not hold it too (a turn the pin moved to another rank records the matched position's new
-///   holder, so a conversation moved off a full rank is not sent back);
+///   holder, so a conversation moved off a full rank is not sent back). Ranks from 14 on have
+///   no holder flag: there the pin decides;
 /// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
-///   [`conversation_tag`]) differs from the one stored with the pin: another conversation
-///   wrote the pin. Either tag unknown (0): the pin decides. So a conversation whose first turn
-///   had nothing of its own keeps its pin, on every replica.
+///   [`conversation_tag`]) differs from the one stored with the pin, taken past a shared prefix
+///   of the same depth or matched on another rank than the pin's: another conversation wrote
+///   the pin. Either tag unknown (0), or taken at another depth on the pin's own rank: the pin
+///   decides. So a conversation whose first turn had nothing of its own keeps its pin, on every
+///   replica.
 ///
 /// Without a chain (prefix placement off, no prompt) the pin decides.
-fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: u8) -> bool {
+fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: Tag) -> bool {
     let (Some(pin), Some(m)) = (key.pinned, matched) else {
         return false;
     };
     if m.blocks > 0 && !m.branched {
-        return m
-            .rank
-            .is_some_and(|rank| rank != pin && m.holders & table::holder_flag(pin) == 0);
+        let pin_flag = table::holder_flag(pin);
+        return pin_flag != 0
+            && m.holders & pin_flag == 0
+            && m.rank.is_some_and(|rank| rank != pin);
     }
-    key.tag != 0 && tag != 0 && key.tag != tag
+    // Past a shared prefix of another depth, a name is only compared when the match is not on
+    // the pin's rank: a conversation whose turns replace their last block marks its own ends
+    // branched, on its own rank, and is named past each at a new depth.
+    let comparable = key.depth == tag.depth || m.rank != Some(pin);
+    key.tag != 0 && tag.tag != 0 && comparable && key.tag != tag.tag
 }
 
 /// What names the request's home: its key, unless the prompt overrules the key's pin (the key
@@ -1050,6 +1085,7 @@ mod tests {
             hash,
             pinned,
             tag: 0,
+            depth: 0,
         })
     }
 
@@ -1060,6 +1096,7 @@ mod tests {
                 matched: r.matched,
                 anchor: r.anchor,
                 chain_blocks: 0,
+                anchor_stable: false,
                 turn: 0,
             };
             let p = plan(c, 0, &facts, r.states.as_ref(), 10);
@@ -1304,11 +1341,13 @@ mod tests {
             rank,
             write_pin,
         };
+        // Pins whose tag was taken past the 4-block shared prefix the rows match.
         let pin = |pinned, tag| {
             Some(KeyFacts {
                 hash: 77,
                 pinned,
                 tag,
+                depth: 4,
             })
         };
         use Counter::*;
@@ -1353,6 +1392,30 @@ mod tests {
                 20,
                 pinned_to(other, false),
                 [Some(AffinityHit), None, None],
+            ),
+            (
+                "another conversation's tag, taken past a shared prefix of another depth on the \
+                 pin's rank (its own ends, branched by its own turns): the pin decides",
+                Some(KeyFacts {
+                    depth: 6,
+                    ..pin(Some(other), tag + 1).unwrap()
+                }),
+                Some(shared(4, other)),
+                20,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "another conversation's tag, past a shared prefix of another depth held \
+                 elsewhere (a shared document): the prompt's home",
+                Some(KeyFacts {
+                    depth: 6,
+                    ..pin(Some(other), tag + 1).unwrap()
+                }),
+                Some(shared(4, third)),
+                20,
+                pinned_to(prompt_home, false),
+                [Some(KeyOverruled), None, None],
             ),
             (
                 "nothing of its own indexed, its own conversation's pin: the pin decides",
@@ -1404,19 +1467,90 @@ mod tests {
                 [Some(AffinityMiss), Some(Assigned), None],
             ),
         ];
+        let known = Tag { tag, depth: 4 };
         for (what, key, m, chain_blocks, target, counters) in rows {
             let facts = Facts {
                 key,
                 matched: m,
                 anchor: Some(5),
                 chain_blocks,
+                anchor_stable: true,
                 turn: 0,
             };
             let p = plan(&c, 0, &facts, Some(&idle), chain_blocks as u32);
             assert_eq!((p.target, p.counters), (target, counters), "{what}");
-            let known = m.is_some_and(|m| m.branched && chain_blocks > m.blocks);
-            assert_eq!(p.pin_tag, if known { tag } else { 0 }, "{what}");
+            // A written pin carries the request's tag, or keeps its own when the request has none.
+            if let Target::Pinned {
+                write_pin: true, ..
+            } = p.target
+            {
+                assert_eq!(p.pin_tag, known, "{what}");
+            }
+            // An anchor the next turn does not keep (the chain's last block) names no
+            // conversation: the same request then leaves the pin alone.
+            let unstable = plan(
+                &c,
+                0,
+                &Facts {
+                    anchor_stable: false,
+                    ..facts
+                },
+                Some(&idle),
+                chain_blocks as u32,
+            );
+            if key.is_some_and(|k| k.pinned.is_some()) && m.is_some_and(|m| m.branched) {
+                assert_eq!(
+                    unstable.target,
+                    pinned_to(key.and_then(|k| k.pinned).unwrap(), false),
+                    "{what}, anchor not kept"
+                );
+            }
         }
+        // A pin on a rank without a holder flag (14 and up) is never overruled by a history
+        // elsewhere: that its rank holds the history too could not have been recorded.
+        let wide = cfg(r#","dp_size":16,"prefix":{"enabled":true}"#);
+        let facts = Facts {
+            key: Some(KeyFacts {
+                hash: 77,
+                pinned: Some(15),
+                tag,
+                depth: 4,
+            }),
+            matched: Some(matched(40, 3)),
+            anchor: Some(5),
+            chain_blocks: 60,
+            anchor_stable: true,
+            turn: 0,
+        };
+        let p = plan(&wide, 0, &facts, Some(&states(&[(0, 0); 16])), 60);
+        assert_eq!(
+            (p.target, p.counters[0]),
+            (
+                Target::Pinned {
+                    hash: 77,
+                    rank: 15,
+                    write_pin: false
+                },
+                Some(AffinityHit)
+            )
+        );
+        // A pin that moves (its rank cooling down) keeps its tag when the request knows none.
+        let mut down = states(&[(0, 0); 4]);
+        down.ranks[other as usize].down_until = 99;
+        let moving = Facts {
+            key: pin(Some(other), tag),
+            matched: Some(matched(40, other)),
+            anchor: Some(5),
+            chain_blocks: 60,
+            anchor_stable: true,
+            turn: 0,
+        };
+        let p = plan(&c, 0, &moving, Some(&down), 60);
+        assert!(
+            matches!(p.target, Target::Pinned { rank, write_pin: true, .. } if rank != other),
+            "{p:?}"
+        );
+        assert_eq!(p.pin_tag, known);
     }
 
     #[test]

@@ -321,6 +321,32 @@ impl AffinityTable {
         tag: u8,
         now: u32,
     ) -> TableEvents {
+        self.pin_with(store, hash, rank, tag, None, now)
+    }
+
+    /// [`pin_tagged`](Self::pin_tagged), with the entry's flags set to `flags` (a routing key's
+    /// pin keeps no prefix flags: its flags field holds what the caller puts there).
+    pub fn pin_flagged(
+        &self,
+        store: &dyn Store,
+        hash: u64,
+        rank: u32,
+        tag: u8,
+        flags: u16,
+        now: u32,
+    ) -> TableEvents {
+        self.pin_with(store, hash, rank, tag, Some(flags), now)
+    }
+
+    fn pin_with(
+        &self,
+        store: &dyn Store,
+        hash: u64,
+        rank: u32,
+        tag: u8,
+        flags: Option<u16>,
+        now: u32,
+    ) -> TableEvents {
         let rank = u16::try_from(rank).map_or(RANK_MASK, |r| r.min(RANK_MASK));
         let tag = tag.min(MAX_TAG);
         self.update(store, hash, |entries, ways, events| {
@@ -330,6 +356,9 @@ impl AffinityTable {
             if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
                 if !self.is_live(e, now) {
                     e.flags = 0;
+                }
+                if let Some(flags) = flags {
+                    e.flags = flags;
                 }
                 e.rank = rank;
                 e.tag = tag;
@@ -346,7 +375,7 @@ impl AffinityTable {
                 last_used: now,
                 rank,
                 tag,
-                flags: 0,
+                flags: flags.unwrap_or(0),
             });
             true
         })

@@ -504,7 +504,63 @@ fn keyed_conversations_with_a_short_first_turn_keep_their_rank_through_two_repli
             moved.len()
         );
         assert_kept_and_spread(&format!("{system_bytes} B system prompt"), &homes, &moved);
+        // Not even overruled onto the rank it was on: each request's key decided.
+        for counters in support::counters::settled(&[&stack.envoy, &b]) {
+            counters.assert_zero(&["key_overruled"]);
+        }
     }
+}
+
+/// Keyed conversations of a block-id trace's shape (the prompt is whole 512-byte blocks, one
+/// per block id) behind a shared 4-block preamble, each turn replacing the previous turn's last
+/// block and adding one or two: the index sees the conversation's own ends marked continued,
+/// then branched, and the anchor past them changes from turn to turn. Such a name is not the
+/// conversation's: the key decides every turn, never overruled (a rule that tagged pins with it
+/// overruled and moved most of them).
+#[test]
+fn keyed_block_id_conversations_that_replace_their_last_block_keep_their_rank() {
+    const CONVERSATIONS: usize = 12;
+    const TURNS: usize = 12;
+    let stack = Stack::start(
+        "prefix_keyed_block_ids",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let block = |id: usize| {
+        let mut b = format!("<block {id:08}> ").repeat(32);
+        b.truncate(512);
+        b
+    };
+    let mut next_id = 1000;
+    let mut ids: Vec<Vec<usize>> = (0..CONVERSATIONS)
+        .map(|_| {
+            let own: Vec<usize> = (0..3).map(|k| next_id + k).collect();
+            next_id += 3;
+            (0..4).chain(own).collect()
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+    for turn in 0..TURNS {
+        for (c, conversation) in ids.iter_mut().enumerate() {
+            if turn > 0 {
+                conversation.pop();
+                for _ in 0..1 + (turn + c) % 2 {
+                    conversation.push(next_id);
+                    next_id += 1;
+                }
+            }
+            let prompt: String = conversation.iter().map(|&id| block(id)).collect();
+            let request = completion(&prompt).header(KEY_HEADER, &format!("trace-{c}"));
+            ranks[c].push(served_rank(&stack.send(&request)));
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{CONVERSATIONS} keyed block-id conversations replacing their last block: first turns \
+         per rank {homes:?}, {} moved: {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("keyed block-id conversations", &homes, &moved);
+    stack.settled().assert_zero(&["key_overruled"]);
 }
 
 /// Conversations sent as one user message that grows turn by turn (how clients that fold a

@@ -21,8 +21,8 @@ use crate::decide::{Decision, HeaderStep, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
-use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Target};
-use crate::prefix_index::{Anchor, CountingStore, Match, PrefixIndex};
+use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
+use crate::prefix_index::{Anchor, AnchorAt, CountingStore, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -915,6 +915,7 @@ impl Filter {
                     hash,
                     pinned: resolved.pinned,
                     tag: resolved.tag,
+                    depth: resolved.depth,
                 };
                 self.place(Some(key), from_body);
             }
@@ -978,6 +979,14 @@ impl Filter {
             // its pin).
             anchor: self.prefix.as_ref().and_then(|p| p.anchor).map(|a| a.hash),
             chain_blocks: self.prefix.as_ref().map_or(0, |p| p.chain.len()),
+            anchor_stable: self.prefix.as_ref().is_some_and(|p| match p.anchor {
+                Some(Anchor {
+                    at: AnchorAt::Position(at),
+                    ..
+                }) => at < p.chain.len(),
+                Some(_) => true,
+                None => false,
+            }),
             turn,
         };
         let blocks = self.prompt_blocks();
@@ -1028,9 +1037,10 @@ impl Filter {
                 write_pin,
             } => {
                 if write_pin {
+                    let Tag { tag, depth } = plan.pin_tag;
                     let events = rt
                         .table
-                        .pin_tagged(&SharedData, hash, rank, plan.pin_tag, now);
+                        .pin_flagged(&SharedData, hash, rank, tag, depth, now);
                     rt.counters.add_table_events(events);
                 }
                 self.route_to(rank, from_body);
