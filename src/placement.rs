@@ -367,7 +367,7 @@ pub struct Request {
     pub anchor: Option<u64>,
     /// The prompt's size in blocks.
     pub blocks: u32,
-    /// The home is named by a routing key (not by the prompt's anchor).
+    /// A routing key that has no pin on this Envoy names the home (see `outweighs_home`).
     pub keyed: bool,
 }
 

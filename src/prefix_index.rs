@@ -164,6 +164,18 @@ pub struct Anchor {
     pub at: AnchorAt,
 }
 
+impl Anchor {
+    /// Whether the next turns of a conversation whose prompt has `chain_len` blocks keep this
+    /// name: a chat's opening, or a position the chain goes past. Taken at the chain's last
+    /// block, it changes with the next turn, which extends or replaces that block.
+    pub fn kept_by_next_turns(&self, chain_len: usize) -> bool {
+        match self.at {
+            AnchorAt::Opening => true,
+            AnchorAt::Position(at) => at < chain_len,
+        }
+    }
+}
+
 /// The tag of an entry recorded by a request anchored by its opening; a position is tagged
 /// with its index on the grid plus one (0: not known, or beyond what 4 bits hold).
 const TAG_OPENING: u8 = MAX_TAG;
@@ -859,6 +871,15 @@ mod tests {
         assert_eq!(idx.tag(short), 0);
         assert_eq!(hash_of(&idx, &[], None, &shared), None);
         assert_eq!(hash_of(&idx, &a, None, &Match::default()), Some(a[0]));
+    }
+
+    #[test]
+    fn only_an_opening_or_a_position_the_chain_goes_past_is_kept_by_next_turns() {
+        let at = |at| Anchor { hash: 1, at };
+        assert!(at(AnchorAt::Opening).kept_by_next_turns(3));
+        assert!(at(AnchorAt::Position(6)).kept_by_next_turns(7));
+        assert!(!at(AnchorAt::Position(6)).kept_by_next_turns(6));
+        assert!(!at(AnchorAt::Position(6)).kept_by_next_turns(5));
     }
 
     #[test]

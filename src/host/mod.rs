@@ -22,7 +22,7 @@ use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
-use crate::prefix_index::{Anchor, AnchorAt, CountingStore, Match, PrefixIndex};
+use crate::prefix_index::{Anchor, CountingStore, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -979,13 +979,9 @@ impl Filter {
             // its pin).
             anchor: self.prefix.as_ref().and_then(|p| p.anchor).map(|a| a.hash),
             chain_blocks: self.prefix.as_ref().map_or(0, |p| p.chain.len()),
-            anchor_stable: self.prefix.as_ref().is_some_and(|p| match p.anchor {
-                Some(Anchor {
-                    at: AnchorAt::Position(at),
-                    ..
-                }) => at < p.chain.len(),
-                Some(_) => true,
-                None => false,
+            anchor_stable: self.prefix.as_ref().is_some_and(|p| {
+                p.anchor
+                    .is_some_and(|a| a.kept_by_next_turns(p.chain.len()))
             }),
             turn,
         };
