@@ -46,6 +46,8 @@ pub const MAX_COLUMNS: usize = 256;
 const MAGIC: &[u8; 4] = b"DPB2";
 const HEADER: usize = 12;
 const RANK_RECORD: usize = 12;
+/// Where a rank's strike count lies in its health record (after `down_until`, `strike_since`).
+const STRIKES_AT: usize = 8;
 
 /// One rank as the assigners see it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -190,7 +192,7 @@ struct Board {
 /// Lowers the strikes of `rank` by one in a written board value (its health records are
 /// copied there unchanged, right after the header).
 fn forgive_strike(out: &mut [u8], rank: usize) {
-    let at = HEADER + rank * RANK_RECORD + 8;
+    let at = HEADER + rank * RANK_RECORD + STRIKES_AT;
     if let Some(strikes) = u32_at(out, at).filter(|&n| n > 0) {
         if let Some(field) = out.get_mut(at..at + 4) {
             field.copy_from_slice(&(strikes - 1).to_le_bytes());
@@ -239,7 +241,7 @@ impl<'a> BoardBytes<'a> {
 
     /// The strikes counted against `rank` (0 for a rank the board does not have).
     fn strikes(&self, rank: usize) -> u32 {
-        u32_at(self.health(), rank * RANK_RECORD + 8).unwrap_or(0)
+        u32_at(self.health(), rank * RANK_RECORD + STRIKES_AT).unwrap_or(0)
     }
 
     /// The per-rank health records, 12 bytes each.
@@ -418,7 +420,7 @@ impl Board {
                 Some(RankHealth {
                     down_until: u32_at(b, at)?,
                     strike_since: u32_at(b, at + 4)?,
-                    strikes: u32_at(b, at + 8)?,
+                    strikes: u32_at(b, at + STRIKES_AT)?,
                 })
             })
             .collect::<Option<Vec<_>>>()?;
