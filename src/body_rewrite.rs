@@ -53,10 +53,11 @@ enum Role {
 pub fn rewrite(body: &[u8], edit: RankEdit<'_>) -> Result<Option<Rewritten>, ScanError> {
     let (open, members) = members(body, edit)?;
     let digits = edit.set.map(|(_, rank)| rank.to_string());
-    let mut cuts: Vec<(Range<usize>, Vec<u8>)> = removals(&members)
+    let removed_ranges: Vec<Cut> = removals(&members)
         .into_iter()
         .map(|r| (r, Vec::new()))
         .collect();
+    let mut cuts: Vec<Cut> = Vec::new();
     let mut rank_set = false;
     if let (Some((name, _)), Some(digits)) = (edit.set, &digits) {
         let copies: Vec<&Member> = members.iter().filter(|m| m.role == Role::Set).collect();
@@ -78,10 +79,11 @@ pub fn rewrite(body: &[u8], edit: RankEdit<'_>) -> Result<Option<Rewritten>, Sca
             cuts.push((open + 1..open + 1, member));
         }
     }
+    // Both runs are in document order (the inserted member, at the `{`, first of all).
+    let cuts = merge_in_order(cuts, removed_ranges);
     if cuts.is_empty() {
         return Ok(None);
     }
-    cuts.sort_by_key(|(range, _)| (range.start, range.end));
     let removed = members.iter().filter(|m| m.role == Role::Remove).count();
     Ok(Some(Rewritten {
         body: splice(body, &cuts),
@@ -157,8 +159,27 @@ fn removals(members: &[Member]) -> Vec<Range<usize>> {
     out
 }
 
+/// A range of the body and the bytes that replace it.
+type Cut = (Range<usize>, Vec<u8>);
+
+/// Two lists of cuts, each in order of (start, end), merged into one such list. (A merge, not a
+/// sort: the standard library's sorts would add kilobytes to the module for a few elements.)
+fn merge_in_order(a: Vec<Cut>, b: Vec<Cut>) -> Vec<Cut> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut a, mut b) = (a.into_iter().peekable(), b.into_iter().peekable());
+    loop {
+        let a_first = match (a.peek(), b.peek()) {
+            (Some((x, _)), Some((y, _))) => (x.start, x.end) <= (y.start, y.end),
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => return out,
+        };
+        out.extend(if a_first { a.next() } else { b.next() });
+    }
+}
+
 /// `body` with each (sorted, disjoint) range replaced by its bytes.
-fn splice(body: &[u8], cuts: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
+fn splice(body: &[u8], cuts: &[Cut]) -> Vec<u8> {
     let grown: usize = cuts.iter().map(|(_, b)| b.len()).sum();
     let mut out = Vec::with_capacity(body.len() + grown);
     let mut at = 0;
@@ -286,6 +307,26 @@ mod tests {
                 None,
                 &["routed_dp_rank", "data_parallel_rank"],
                 "{}",
+            ),
+            // Copies set in place and aliases removed, interleaved: the two kinds of edit are
+            // applied in document order.
+            (
+                r#"{"data_parallel_rank":1,"a":0,"routed_dp_rank":2,"x":1,"data_parallel_rank":3,"routed_dp_rank":4,"z":0}"#,
+                RANK,
+                &alias,
+                r#"{"a":0,"routed_dp_rank":3,"x":1,"routed_dp_rank":3,"z":0}"#,
+            ),
+            (
+                r#"{"routed_dp_rank":1,"a":0,"data_parallel_rank":2}"#,
+                RANK,
+                &alias,
+                r#"{"routed_dp_rank":3,"a":0}"#,
+            ),
+            (
+                r#"{"data_parallel_rank":1,"a":0,"data_parallel_rank":2}"#,
+                RANK,
+                &alias,
+                r#"{"routed_dp_rank":3,"a":0}"#,
             ),
             // The set member is never removed, even when listed.
             (
