@@ -192,6 +192,12 @@ impl<'h> ChainBuilder<'h> {
         self.opening = None;
     }
 
+    /// [`reset`](Self::reset), for a call that walks the prompt member next.
+    pub(crate) fn restart(&mut self) -> &mut Self {
+        self.reset();
+        self
+    }
+
     /// Notes the end of the chat's opening here (the first call only; none once the chain is
     /// full). The hash covers every byte fed so far: the previous block's hash, the lanes of the
     /// current block with its partial stripe zero-padded, and how many bytes of it there are

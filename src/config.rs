@@ -1601,8 +1601,8 @@ mod tests {
         let vllm = parse(r#"{"dp_size":4,"target":{"mode":"engine","engine":"vllm"}}"#).unwrap();
         assert_eq!(
             vllm.target.engine().map(|t| t.paths.len()),
-            Some(2),
-            "chat and completions"
+            Some(3),
+            "chat, completions and responses"
         );
         let listed = parse(
             r#"{"dp_size":4,"target":{"mode":"engine","paths":[

@@ -4,7 +4,7 @@
 //! [`plan`] is the whole decision for such a request, a pure function of what the host gathered
 //! (the key and its pin, the index's answer, the prompt's anchor and size) and a snapshot of the
 //! rank state (a pin decides unless the prompt shows the key names other conversations too:
-//! [`pin_overruled`]); it returns a [`Plan`] — where to route, whether to write or learn the key's pin,
+//! `pin_overruled`); it returns a [`Plan`] — where to route, whether to write or learn the key's pin,
 //! which counters to bump — that the host only carries out.
 
 use crate::assign::{
@@ -26,7 +26,7 @@ pub struct Facts {
     /// not an LLM path, or the body was not read), so the prefix has no say.
     pub matched: Option<Match>,
     /// The prompt's anchor (`PrefixIndex::anchor`): stands for a key when there is none, or when
-    /// the prompt overrules the key's pin (see [`pin_overruled`]).
+    /// the prompt overrules the key's pin (see `pin_overruled`).
     pub anchor: Option<u64>,
     /// The prompt's chain length in blocks (0: no chain).
     pub chain_blocks: usize,
@@ -38,7 +38,7 @@ pub struct Facts {
 }
 
 /// A routing key's hash, the rank the affinity table pins it to, and the tag of the conversation
-/// that wrote the pin (0: not known) with the depth it was taken at (see [`conversation_tag`]).
+/// that wrote the pin (0: not known) with the depth it was taken at (see `conversation_tag`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyFacts {
     pub hash: u64,
@@ -188,7 +188,7 @@ pub fn plan(
 }
 
 /// A conversation's tag (1..=15; 0: not known) and the prefix depth, in blocks, it was taken
-/// past (see [`conversation_tag`]).
+/// past (see `conversation_tag`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Tag {
     pub tag: u8,

@@ -8,14 +8,18 @@
 //! A byte stream (or, for token ids, a stream of little-endian `u32`s), built from the body in
 //! one pass by API ([`Api`], from the request path):
 //! - chat completions: for each element of `messages`, in order: the role, `"`, the text content
-//!   (a string, or the `text` of every `{"type":"text"}` part of an array content, concatenated;
+//!   (a string, or the `text` of every `text`, `input_text` or `output_text` part of an array
+//!   content, concatenated;
 //!   other parts and other members are ignored), `"`. Role and content are taken in that order
 //!   whatever their order in the message object;
 //! - completions (`prompt`) and SGLang `/generate` (`text`): a string as is; a list of strings
 //!   (a batch) as each string followed by `"`; a list of integers as token ids; a list of lists of
 //!   integers as each list followed by the separator id `u32::MAX`. `/generate`'s `input_ids`
 //!   is read the same way. Text and token prompts are separate hash domains, and chat is a third
-//!   (so a completions batch can never collide with a chat that renders to the same bytes).
+//!   (so a completions batch can never collide with a chat that renders to the same bytes);
+//! - OpenAI Responses (`instructions`, `input`): the chat stream of the messages the engines
+//!   render from it, `instructions` as a `system` message first (see `ResponsesPrompt`), in
+//!   the chat domain: the same conversation sent either way shares its entries.
 //!
 //! `"` is an unambiguous separator: it never appears unescaped inside a JSON string.
 //!
@@ -60,11 +64,14 @@ pub enum Api {
     Completions,
     /// SGLang native `/generate`: `text` or `input_ids`.
     Generate,
+    /// OpenAI Responses (`/v1/responses`): `instructions`, then `input`.
+    Responses,
 }
 
 impl Api {
     /// The API of a request path (`:path`, query ignored): `.../chat/completions`,
-    /// `.../completions` or `.../generate`. `None`: no prompt the filter knows how to read.
+    /// `.../completions`, `.../generate` or `.../responses` (not `.../responses/{id}`, which
+    /// carries no prompt). `None`: no prompt the filter knows how to read.
     pub fn from_path(path: &[u8]) -> Option<Api> {
         let end = path
             .iter()
@@ -80,6 +87,8 @@ impl Api {
             Some(Api::Completions)
         } else if p.ends_with(b"/generate") {
             Some(Api::Generate)
+        } else if p.ends_with(b"/responses") {
+            Some(Api::Responses)
         } else {
             None
         }
@@ -90,6 +99,8 @@ impl Api {
             Api::Chat => name == b"messages",
             Api::Completions => name == b"prompt",
             Api::Generate => name == b"text" || name == b"input_ids",
+            // Those that make the prompt, or tell it is not all in the body (`ResponsesPrompt`).
+            Api::Responses => RESPONSES_MEMBERS.contains(&name),
         }
     }
 }
@@ -131,6 +142,7 @@ pub fn scan_prompt<'a>(
     let (mut s, _, empty) = Scanner::open_object(body)?;
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;
+    let mut responses = ResponsesPrompt::default();
     if !empty {
         loop {
             let name = member_name(&mut s)?;
@@ -143,11 +155,7 @@ pub fn scan_prompt<'a>(
                     None
                 };
             } else if api.is_prompt_field(&name) {
-                chain.reset();
-                match api {
-                    Api::Chat => walk_messages(&mut s, &mut chain)?,
-                    Api::Completions | Api::Generate => walk_text_or_ids(&mut s, &mut chain)?,
-                }
+                walk_prompt_member(api, &name, &mut s, &mut chain, &mut responses)?;
             }
             match wanted.iter().position(|w| w.as_bytes() == &*name) {
                 Some(idx) if s.i == start => found(idx, s.value()?),
@@ -168,8 +176,28 @@ pub fn scan_prompt<'a>(
         }
     }
     s.expect_end()?;
+    if api == Api::Responses {
+        responses.finish(body, &mut chain)?;
+    }
     let model = model.map(|span| bytes(body, span));
     Ok(chain.finish(model))
+}
+
+/// Walks a member that is part of `api`'s prompt (`Api::is_prompt_field`). Not inlined: it is
+/// the same code for every caller of the generic [`scan_prompt`].
+#[inline(never)]
+fn walk_prompt_member(
+    api: Api,
+    name: &[u8],
+    s: &mut Scanner<'_>,
+    chain: &mut ChainBuilder<'_>,
+    responses: &mut ResponsesPrompt,
+) -> Result<(), ScanError> {
+    match api {
+        Api::Chat => walk_messages(s, chain.restart()),
+        Api::Completions | Api::Generate => walk_text_or_ids(s, chain.restart()),
+        Api::Responses => responses.member(name, s, chain),
+    }
 }
 
 /// The raw bytes between the quotes of the string at the cursor, as a span of the body.
@@ -341,6 +369,12 @@ fn walk_content(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sca
     }
 }
 
+/// A content part whose `text` is prompt text: chat's `text`, the Responses API's
+/// `input_text` (a user's) and `output_text` (an answer sent back), which vLLM's chat accepts too.
+fn is_text_part(kind: &[u8]) -> bool {
+    matches!(kind, b"text" | b"input_text" | b"output_text")
+}
+
 /// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text parts, in order.
 fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     each_object(s, c, walk_part)
@@ -354,7 +388,7 @@ fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
             let name = member_name(s)?;
             let string = s.peek() == Some(b'"');
             match &*name {
-                b"type" if string => is_text = bytes(s.b, string_span(s)?) == b"text",
+                b"type" if string => is_text = is_text_part(bytes(s.b, string_span(s)?)),
                 b"text" if string => text = Some(string_span(s)?),
                 b"type" => {
                     is_text = false;
@@ -376,6 +410,162 @@ fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
     }
     Ok(())
 }
+
+/// The top-level members `ResponsesPrompt` reads.
+const RESPONSES_MEMBERS: [&[u8]; 4] = [
+    b"instructions",
+    b"input",
+    b"previous_response_id",
+    b"conversation",
+];
+
+/// The members of a Responses API body that make its prompt, gathered during the top-level walk.
+///
+/// The engines render `instructions` as a leading system message, then the `input` items in
+/// order, so the canonical stream is the chat one: `system`, `"`, the instructions, `"`, then
+/// per item its role (or, for an item without one, its `type`), `"`, its text, `"` — where the
+/// text is the content (a string, or its `text` / `input_text` / `output_text` parts), a function
+/// call's `name`, `"` and `arguments`, or a function call output's `output`. Ids, status and other
+/// members the server adds to the items it returns are ignored, so an item reads the same whether
+/// the client sends it back whole or rebuilt. A string `input` is one user message.
+///
+/// `input` is walked where it stands; `instructions` found after it walks it again (once, at the
+/// end). A request continuing server-side state (`previous_response_id` or `conversation` not
+/// null) has no usable prompt: its body holds only the newest items, not the prefix the engine
+/// will compute, so reading it would place the turn by a fragment.
+#[derive(Default)]
+struct ResponsesPrompt {
+    /// The span of a string `instructions` (the last one).
+    instructions: Option<(usize, usize)>,
+    /// `instructions` is present and neither a string nor null.
+    bad_instructions: bool,
+    /// Where the last `input` value starts.
+    input_at: Option<usize>,
+    /// `instructions` changed after `input` was walked.
+    rewalk: bool,
+    /// The request continues a stored response or conversation.
+    stateful: bool,
+}
+
+impl ResponsesPrompt {
+    /// Reads a member that `Api::is_prompt_field` names.
+    fn member(
+        &mut self,
+        name: &[u8],
+        s: &mut Scanner<'_>,
+        c: &mut ChainBuilder<'_>,
+    ) -> Result<(), ScanError> {
+        match name {
+            b"instructions" => {
+                (self.instructions, self.bad_instructions) = match s.peek() {
+                    Some(b'"') => (Some(string_span(s)?), false),
+                    other => (s.skip_value().map(|_| None)?, other != Some(b'n')),
+                };
+                self.rewalk = self.input_at.is_some();
+            }
+            b"input" => {
+                self.input_at = Some(s.i);
+                self.rewalk = false;
+                self.walk(s, c)?;
+            }
+            b"previous_response_id" | b"conversation" => {
+                // A value starting with `n` that the scanner accepts is `null`.
+                self.stateful |= s.peek() != Some(b'n');
+                s.skip_value()?;
+            }
+            _ => s.skip_value()?,
+        }
+        Ok(())
+    }
+
+    /// The whole prompt from `input` at the cursor: instructions first.
+    fn walk(&self, s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        let c = c.restart();
+        c.begin(Domain::Chat);
+        if let Some(span) = self.instructions {
+            feed_message(c, b"system", bytes(s.b, span));
+        }
+        walk_input(s, c)
+    }
+
+    fn finish(&self, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        if let (true, Some(at)) = (self.rewalk, self.input_at) {
+            self.walk(&mut Scanner { b: body, i: at }, c)?;
+        }
+        if self.stateful || self.bad_instructions {
+            c.unusable();
+        }
+        Ok(())
+    }
+}
+
+/// A whole message of the canonical stream: `role`, `"`, `text`, `"`.
+#[inline(never)]
+fn feed_message(c: &mut ChainBuilder<'_>, role: &[u8], text: &[u8]) {
+    for piece in [role, &[SEP], text, &[SEP]] {
+        c.feed(piece);
+    }
+}
+
+/// `input`: a string (one user message) or an array of items.
+fn walk_input(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    match s.peek() {
+        Some(b'"') => {
+            let span = string_span(s)?;
+            feed_message(c, b"user", bytes(s.b, span));
+            c.mark_opening();
+            Ok(())
+        }
+        Some(b'[') => each_object(s, c, walk_item),
+        _ => {
+            c.unusable();
+            s.skip_value()
+        }
+    }
+}
+
+/// One `input` item (see `ResponsesPrompt`): its members are located first, then fed in the
+/// canonical order whatever their order in the object.
+fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    // The string members read, by their index in ITEM_STRINGS.
+    let mut spans: [Option<(usize, usize)>; 4] = [None; 4];
+    let mut text_at = None;
+    if enter(s, b'{', b'}')? {
+        loop {
+            let member = member_name(s)?;
+            match ITEM_STRINGS.iter().position(|n| *n == &*member) {
+                Some(k) if s.peek() == Some(b'"') => spans[k] = Some(string_span(s)?),
+                _ if matches!(&*member, b"content" | b"output") => {
+                    text_at = Some(s.i);
+                    s.skip_value()?;
+                }
+                _ => s.skip_value()?,
+            }
+            if !object_next(s)? {
+                break;
+            }
+        }
+    }
+    let [role, kind, name, arguments] = spans.map(|span| span.map(|span| bytes(s.b, span)));
+    c.feed(role.or(kind).unwrap_or_default());
+    c.feed(&[SEP]);
+    if let Some(name) = name {
+        c.feed(name);
+        c.feed(&[SEP]);
+    }
+    c.feed(arguments.unwrap_or_default());
+    if let Some(at) = text_at.filter(|_| c.active()) {
+        walk_content(&mut Scanner { b: s.b, i: at }, c)?;
+    }
+    c.feed(&[SEP]);
+    if role == Some(b"user") {
+        c.mark_opening();
+    }
+    Ok(())
+}
+
+/// The string members of an `input` item that its canonical form reads, in `walk_item`'s order.
+const ITEM_STRINGS: [&[u8]; 4] = [b"role", b"type", b"name", b"arguments"];
 
 /// `prompt` / `text` / `input_ids`: a string, a list of strings, ids, or lists of ids.
 fn walk_text_or_ids(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
@@ -587,7 +777,8 @@ mod tests {
                         Some(Json::Array(parts)) => {
                             for p in parts {
                                 let p = p.as_object()?;
-                                if p.get("type").and_then(Json::as_str) == Some("text") {
+                                let kind = p.get("type").and_then(Json::as_str).unwrap_or("");
+                                if is_text_part(kind.as_bytes()) {
                                     if let Some(t) = p.get("text").and_then(Json::as_str) {
                                         out.extend(t.as_bytes());
                                     }
@@ -600,6 +791,7 @@ mod tests {
                 }
                 Some((Domain::Chat, out))
             }
+            Api::Responses => responses_reference(body),
             Api::Completions | Api::Generate => {
                 let field = match api {
                     Api::Completions => "prompt",
@@ -645,6 +837,72 @@ mod tests {
         }
     }
 
+    /// Text of a content value (a string or text parts), as `walk_content` reads it.
+    fn content_reference(v: Option<&Json>, out: &mut Vec<u8>) -> Option<()> {
+        match v {
+            None | Some(Json::Null) => {}
+            Some(Json::String(s)) => out.extend(s.as_bytes()),
+            Some(Json::Array(parts)) => {
+                for p in parts {
+                    let p = p.as_object()?;
+                    let kind = p.get("type").and_then(Json::as_str).unwrap_or("");
+                    if is_text_part(kind.as_bytes()) {
+                        if let Some(t) = p.get("text").and_then(Json::as_str) {
+                            out.extend(t.as_bytes());
+                        }
+                    }
+                }
+            }
+            Some(_) => return None,
+        }
+        Some(())
+    }
+
+    fn responses_reference(body: &Json) -> Option<(Domain, Vec<u8>)> {
+        let stated = |f: &str| body.get(f).is_some_and(|v| !v.is_null());
+        if stated("previous_response_id") || stated("conversation") {
+            return None;
+        }
+        let mut out = Vec::new();
+        match body.get("instructions") {
+            None | Some(Json::Null) => {}
+            Some(Json::String(i)) => {
+                out.extend(b"system\"");
+                out.extend(i.as_bytes());
+                out.push(SEP);
+            }
+            Some(_) => return None,
+        }
+        match body.get("input")? {
+            Json::String(text) => {
+                out.extend(b"user\"");
+                out.extend(text.as_bytes());
+                out.push(SEP);
+            }
+            Json::Array(items) => {
+                for item in items {
+                    let item = item.as_object()?;
+                    let string = |f: &str| item.get(f).and_then(Json::as_str);
+                    if let Some(label) = string("role").or(string("type")) {
+                        out.extend(label.as_bytes());
+                    }
+                    out.push(SEP);
+                    if let Some(name) = string("name") {
+                        out.extend(name.as_bytes());
+                        out.push(SEP);
+                    }
+                    out.extend(string("arguments").unwrap_or("").as_bytes());
+                    // The last of `content` / `output` in document order is the text (the
+                    // bodies here have at most one of them).
+                    content_reference(item.get("content").or(item.get("output")), &mut out)?;
+                    out.push(SEP);
+                }
+            }
+            _ => return None,
+        }
+        Some((Domain::Chat, out))
+    }
+
     fn check_against_reference(body: &str, api: Api, c: &PrefixConfig) {
         let v: Json = serde_json::from_str(body).unwrap();
         let model = v.get("model").and_then(Json::as_str);
@@ -668,6 +926,149 @@ mod tests {
         );
         assert_eq!(chain(body, Api::Chat, &c).len(), stream.len() / 16);
         check_against_reference(body, Api::Chat, &c);
+    }
+
+    #[test]
+    fn responses_canonical_form() {
+        let c = cfg(16, 4, 64);
+        let body = r#"{"model":"m","instructions":"You are terse.","input":[
+            {"role":"user","content":"Weather in Lisbon?"},
+            {"type":"function_call","id":"fc_1","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Lisbon\"}","status":"completed"},
+            {"call_id":"c1","output":"sunny, 24C","type":"function_call_output"},
+            {"id":"msg_1","content":[{"type":"output_text","text":"Sunny, 24C.","annotations":[]}],"role":"assistant","status":"completed","type":"message"},
+            {"type":"message","role":"user","content":[{"type":"input_text","text":"And tomorrow?"},{"type":"input_image","image_url":"u"}]}]}"#;
+        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?""#;
+        assert_eq!(
+            chain(body, Api::Responses, &c),
+            direct(Domain::Chat, stream, Some("m"), &c)
+        );
+        // Instructions after the input: the same prompt.
+        let v: Json = serde_json::from_str(body).unwrap();
+        let late = format!(
+            r#"{{"input":{},"model":"m","instructions":"You are terse."}}"#,
+            v["input"]
+        );
+        assert_eq!(
+            chain(&late, Api::Responses, &c),
+            chain(body, Api::Responses, &c)
+        );
+        // The same conversation as a chat, and a string input as one user message.
+        let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Weather in Lisbon? Tell me now"}]}"#;
+        let text = r#"{"model":"m","input":"Weather in Lisbon? Tell me now","instructions":"You are terse."}"#;
+        assert_eq!(chain(text, Api::Responses, &c), chain(chat, Api::Chat, &c));
+        assert_eq!(
+            opening(text, Api::Responses, &c),
+            opening(chat, Api::Chat, &c)
+        );
+        assert!(opening(body, Api::Responses, &c).is_some());
+        check_against_reference(text, Api::Responses, &c);
+    }
+
+    #[test]
+    fn responses_continuing_server_state_or_malformed_have_no_prompt() {
+        let c = cfg(16, 4, 64);
+        let input =
+            r#""input":[{"role":"user","content":"a question long enough for two blocks"}]"#;
+        let usable = format!(r#"{{{input},"previous_response_id":null,"conversation":null}}"#);
+        assert_eq!(chain(&usable, Api::Responses, &c).len(), 2);
+        for extra in [
+            r#""previous_response_id":"resp_1""#,
+            r#""conversation":"conv_1""#,
+            r#""conversation":{"id":"conv_1"}"#,
+            r#""instructions":7"#,
+            r#""instructions":["x"]"#,
+        ] {
+            for body in [
+                format!("{{{input},{extra}}}"),
+                format!("{{{extra},{input}}}"),
+            ] {
+                assert_eq!(
+                    chain(&body, Api::Responses, &c),
+                    Vec::<u64>::new(),
+                    "{body}"
+                );
+                check_against_reference(&body, Api::Responses, &c);
+            }
+        }
+        for body in [
+            r#"{"input":7}"#,
+            r#"{"input":{"role":"user"}}"#,
+            r#"{"input":["a string item, not an object"]}"#,
+            r#"{"instructions":"only instructions, no input at all"}"#,
+            r#"{"messages":[{"role":"user","content":"a chat body on the responses path"}]}"#,
+        ] {
+            assert_eq!(chain(body, Api::Responses, &c), Vec::<u64>::new(), "{body}");
+        }
+        // The last `input` wins, with the instructions wherever they are.
+        let twice = r#"{"input":"first input, long enough","instructions":"sys","input":"second input, long enough"}"#;
+        let once = r#"{"instructions":"sys","input":"second input, long enough"}"#;
+        assert_eq!(
+            chain(twice, Api::Responses, &c),
+            chain(once, Api::Responses, &c)
+        );
+        assert!(prompt_chain(
+            br#"{"input":[{"role":"user","content":"x"}"#,
+            Api::Responses,
+            &c,
+            &hasher()
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn random_responses_bodies_match_the_reference() {
+        let mut r = Rng(41);
+        for _ in 0..1500 {
+            let block = [1, 3, 8, 16, 40][r.below(5) as usize];
+            let c = cfg(block, 2, 1 + r.below(30) as u32);
+            let mut items = Vec::new();
+            for _ in 0..r.below(6) {
+                let mut members = match r.below(4) {
+                    0 => vec![
+                        ("role", json!(r.text(1)).to_string()),
+                        ("content", json!(r.text(4)).to_string()),
+                    ],
+                    1 => vec![
+                        ("type", json!("message").to_string()),
+                        ("role", json!("assistant").to_string()),
+                        ("id", json!("msg_x").to_string()),
+                        (
+                            "content",
+                            json!([{"type":"output_text","text":r.text(3)},{"type":"refusal","refusal":"no"}])
+                                .to_string(),
+                        ),
+                    ],
+                    2 => vec![
+                        ("type", json!("function_call").to_string()),
+                        ("call_id", json!("c").to_string()),
+                        ("name", json!(r.text(1)).to_string()),
+                        ("arguments", json!(r.text(2)).to_string()),
+                    ],
+                    _ => vec![
+                        ("type", json!("function_call_output").to_string()),
+                        ("output", json!(r.text(3)).to_string()),
+                    ],
+                };
+                if r.below(2) == 0 {
+                    members.reverse();
+                }
+                items.push(object(&members));
+            }
+            let mut top = vec![
+                ("input", format!("[{}]", items.join(","))),
+                ("temperature", "0.5".to_string()),
+            ];
+            match r.below(3) {
+                0 => top.insert(0, ("instructions", json!(r.text(3)).to_string())),
+                1 => top.push(("instructions", json!(r.text(3)).to_string())),
+                _ => {}
+            }
+            if r.below(4) != 0 {
+                let at = r.below(3) as usize;
+                top.insert(at, ("model", json!(r.text(2)).to_string()));
+            }
+            check_against_reference(&object(&top), Api::Responses, &c);
+        }
     }
 
     fn opening(body: &str, api: Api, c: &PrefixConfig) -> Option<crate::chain::Opening> {
@@ -1129,6 +1530,7 @@ mod tests {
             r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi \"there\""}]},{"content":"yo","role":"assistant"}],"stream":true}"#,
             r#"{"prompt":[[1,2,3],[4,5]],"model":"m","n":-1.5e3}"#,
             r#"{"input_ids":[1,20,300,4000],"text":"abc\u00e9","sampling_params":{"max_new_tokens":8}}"#,
+            r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"q"}]},{"type":"function_call","name":"f","arguments":"{}"}],"instructions":"s","previous_response_id":null}"#,
         ];
         let c = cfg(4, 2, 16);
         let h = hasher();
@@ -1154,7 +1556,7 @@ mod tests {
                     }
                 }
                 let top = scan_top_level(&b, &[], |_, _| {}).is_ok();
-                for api in [Api::Chat, Api::Completions, Api::Generate] {
+                for api in [Api::Chat, Api::Completions, Api::Generate, Api::Responses] {
                     let ours = prompt_chain(&b, api, &c, &h);
                     assert_eq!(
                         ours.is_ok(),
@@ -1224,6 +1626,10 @@ mod tests {
             ("/v1/completions", Some(Api::Completions)),
             ("/generate", Some(Api::Generate)),
             ("/generate?stream=1", Some(Api::Generate)),
+            ("/v1/responses", Some(Api::Responses)),
+            ("/v1/responses?x=1", Some(Api::Responses)),
+            ("/v1/responses/resp_1", None),
+            ("/v1/responses/resp_1/cancel", None),
             ("/v1/models", None),
             ("/", None),
             ("", None),

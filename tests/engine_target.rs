@@ -19,6 +19,7 @@ use support::stack::{echoed_rank, mock_info, upstream_headers, Stack, StackOptio
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
 const GENERATE: &str = "/generate";
+const RESPONSES: &str = "/v1/responses";
 const TRUST_HEADER: &str = "x-router-token";
 const SECRET: &str = "engine-e2e-secret";
 
@@ -48,6 +49,7 @@ fn body_for(path: &str, text: &str) -> String {
     match path {
         CHAT => json!({"model": "m", "messages": [{"role": "user", "content": text}]}),
         COMPLETIONS => json!({"model": "m", "prompt": text}),
+        RESPONSES => json!({"model": "m", "input": text, "max_output_tokens": 2}),
         _ => json!({"text": text, "sampling_params": {"max_new_tokens": 2}}),
     }
     .to_string()
@@ -130,13 +132,13 @@ fn sglang_preset_keeps_conversations_on_every_path() {
         with_target(preset("sglang"), json!({})),
         &[],
     );
-    for path in [CHAT, COMPLETIONS, GENERATE] {
+    for path in [CHAT, COMPLETIONS, GENERATE, RESPONSES] {
         let ranks = conversations(&stack, path, 16, 5);
         assert_sticky_and_spread(path, &ranks);
     }
     let counters = stack.settled();
     counters.assert_eq("target_body_rewritten", 16 * 5);
-    counters.assert_eq("affinity_hit", 3 * 16 * 4);
+    counters.assert_eq("affinity_hit", 4 * 16 * 4);
     counters.assert_zero(&[
         "untargeted",
         "target_body_unwritable",
@@ -196,7 +198,7 @@ fn vllm_preset_keeps_conversations_and_leaves_other_paths_alone() {
         with_target(preset("vllm"), json!({})),
         &[],
     );
-    for path in [CHAT, COMPLETIONS] {
+    for path in [CHAT, COMPLETIONS, RESPONSES] {
         assert_sticky_and_spread(path, &conversations(&stack, path, 12, 4));
     }
     // vLLM has no /generate: the request reaches it untouched and gets its 404.

@@ -5,6 +5,7 @@
 //! short turns keep one rank, and so do conversations sent as one growing message through two
 //! replicas, and conversations that all send one key (its pin yields to their prompts); a long shared prompt is copied to the homes of new sessions on a
 //! quiet cluster instead of pulling them all onto its first holder;
+//! agent loops on the Responses API keep their rank;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
 //! (`cargo test --test prefix -- --nocapture` prints what each scenario measured.)
@@ -386,6 +387,84 @@ fn conversations_of_short_turns_keep_their_rank() {
         // home's margin taken at their own size of a block or two, 1 of 16 did.
         assert_kept_and_spread(&format!("{system_bytes} B system prompt"), &homes, &moved);
     }
+}
+
+/// Agent loops on the OpenAI Responses API (`/v1/responses`, as the OpenAI Agents SDK sends them
+/// by default), with the shipped defaults: shared `instructions`, then each session's task, and
+/// per turn the items the server returned (a function call, as the SDK sends it back with its
+/// id and status) and the tool's output. Each session keeps its rank and the sessions spread, as
+/// chat conversations do. A request continuing server-side state (`previous_response_id`)
+/// carries only its newest items: it is placed without a prefix lookup.
+#[test]
+fn responses_api_agent_loops_keep_their_rank_and_spread() {
+    const SESSIONS: usize = 16;
+    const TURNS: usize = 4;
+    let stack = Stack::start(
+        "prefix_responses_api",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let instructions = "You are a coding agent. Use the tools, then answer briefly. ".repeat(64);
+    let mut inputs: Vec<Vec<Value>> = (0..SESSIONS)
+        .map(|s| {
+            let task = format!("Task {s}: make test {s} pass. ").repeat(48);
+            vec![json!({ "role": "user", "content": [{ "type": "input_text", "text": task }] })]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); SESSIONS];
+    for turn in 0..TURNS {
+        for (s, input) in inputs.iter_mut().enumerate() {
+            let request = Request::post("/v1/responses").json(&json!({
+                "model": "mock", "input": input, "instructions": instructions,
+                "max_output_tokens": 8,
+            }));
+            let response = stack.send(&request);
+            ranks[s].push(served_rank(&response));
+            let call = format!("call_{s}_{turn}");
+            input.push(json!({
+                "type": "function_call", "id": format!("fc_{s}_{turn}"), "call_id": call,
+                "name": "run_tests", "arguments": format!("{{\"test\":{s},\"round\":{turn}}}"),
+                "status": "completed",
+            }));
+            let output = format!("test {s} round {turn}: 3 failures in module {s}. ").repeat(12);
+            input
+                .push(json!({ "type": "function_call_output", "call_id": call, "output": output }));
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{SESSIONS} Responses API agent loops x {TURNS} turns: first turns per rank {homes:?}, {} moved: {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("Responses API agent loops", &homes, &moved);
+    let before = stack.settled();
+    let looked_up = |c: &support::counters::Counters| {
+        [
+            "prefix_hit",
+            "prefix_miss",
+            "prefix_skipped_full",
+            "prefix_spread",
+            "prefix_reads",
+        ]
+        .iter()
+        .map(|name| c.get(name))
+        .sum::<u64>()
+    };
+    assert!(looked_up(&before) >= (SESSIONS * TURNS) as u64);
+    for s in 0..4 {
+        let request = Request::post("/v1/responses").json(&json!({
+            "model": "mock", "previous_response_id": format!("resp_{s}"),
+            "input": [{ "type": "function_call_output", "call_id": "c", "output": "ok ".repeat(400) }],
+            "instructions": instructions,
+        }));
+        assert_eq!(stack.send(&request).status, 200);
+    }
+    let after = stack.settled();
+    assert_eq!(
+        looked_up(&after),
+        looked_up(&before),
+        "a stateful request was looked up"
+    );
+    assert!(after.get("no_key") >= before.get("no_key") + 4);
 }
 
 /// Many conversations under one key (OpenAI's `user`, an end user's id, sent in the body): the

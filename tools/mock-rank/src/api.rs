@@ -54,6 +54,8 @@ enum Api {
     Chat,
     Completion,
     Generate,
+    /// OpenAI Responses (`/v1/responses`).
+    Responses,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +83,7 @@ fn route(method: &str, path: &str) -> Route {
         "/v1/chat/completions" if post => Route::Llm(Api::Chat),
         "/v1/completions" if post => Route::Llm(Api::Completion),
         "/generate" if post => Route::Llm(Api::Generate),
+        "/v1/responses" if post => Route::Llm(Api::Responses),
         "/mock/stats" if read => Route::Stats,
         // `/mock/reset` is an alias: it also empties the prefix caches.
         "/mock/reset-stats" | "/mock/reset" if post => Route::ResetStats,
@@ -93,6 +96,7 @@ fn route(method: &str, path: &str) -> Route {
         | "/v1/chat/completions"
         | "/v1/completions"
         | "/generate"
+        | "/v1/responses"
         | "/mock/stats"
         | "/mock/reset-stats"
         | "/mock/reset" => Route::MethodNotAllowed,
@@ -158,7 +162,7 @@ impl Server {
         };
         let path = match api {
             Api::Generate => engine::Path::Generate,
-            Api::Chat | Api::Completion => engine::Path::OpenAi,
+            Api::Chat | Api::Completion | Api::Responses => engine::Path::OpenAi,
         };
         let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
         let kind = self.cfg.engine_kind;
@@ -407,6 +411,7 @@ impl Answer {
             Api::Chat => "chatcmpl",
             Api::Completion => "cmpl",
             Api::Generate => "gen",
+            Api::Responses => "resp",
         };
         Answer {
             api,
@@ -494,7 +499,34 @@ impl Answer {
                 "meta_info": self.generate_meta(self.tokens, true),
                 "mock": self.mock,
             }),
+            Api::Responses => json!({
+                "id": self.id,
+                "object": "response",
+                "created_at": self.created,
+                "model": self.model,
+                "status": "completed",
+                "output": [{
+                    "type": "message",
+                    "id": format!("msg-{}", self.id),
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }],
+                "usage": self.responses_usage(),
+                "mock": self.mock,
+            }),
         }
+    }
+
+    /// `usage` as the Responses API names it.
+    fn responses_usage(&self) -> Value {
+        let input_tokens = self.served.prompt_tokens;
+        json!({
+            "input_tokens": input_tokens,
+            "output_tokens": self.tokens,
+            "total_tokens": input_tokens + self.tokens,
+            "input_tokens_details": {"cached_tokens": self.served.cached_tokens},
+        })
     }
 
     /// The SSE event carrying the tokens in `range` of a streamed answer.
@@ -532,6 +564,21 @@ impl Answer {
                 "rank": self.rank,
                 "mock": self.mock,
             }),
+            // The Responses API's text delta events; the last one also
+            // carries `usage` (the real stream sends it in `response.completed`).
+            Api::Responses => {
+                let mut event = json!({
+                    "type": "response.output_text.delta",
+                    "item_id": format!("msg-{}", self.id),
+                    "delta": self.pieces(range.clone()),
+                    "rank": self.rank,
+                    "mock": self.mock,
+                });
+                if last {
+                    event["usage"] = self.responses_usage();
+                }
+                return event;
+            }
             // SGLang streams the cumulative text in every event; its
             // meta_info already carries the token counts.
             Api::Generate => {
@@ -569,6 +616,7 @@ fn requested_model(body: &Value) -> String {
 fn requested_tokens(body: &Value, cap: u64) -> u64 {
     body.get("max_tokens")
         .or_else(|| body.get("max_completion_tokens"))
+        .or_else(|| body.get("max_output_tokens"))
         .or_else(|| body.pointer("/sampling_params/max_new_tokens"))
         .and_then(Value::as_u64)
         .map_or(DEFAULT_TOKENS, |n| n.clamp(1, cap))
@@ -775,6 +823,8 @@ mod tests {
         assert_eq!(route("POST", "/server_info"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/get_model_info"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/generate"), Route::Llm(Api::Generate));
+        assert_eq!(route("POST", "/v1/responses"), Route::Llm(Api::Responses));
+        assert_eq!(route("GET", "/v1/responses"), Route::MethodNotAllowed);
         assert_eq!(route("GET", "/generate"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/nope"), Route::NotFound);
         assert_eq!(route("GET", "/mock/stats"), Route::Stats);

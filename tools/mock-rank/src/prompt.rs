@@ -11,6 +11,10 @@
 //! - `/v1/completions`: `prompt` as a string, a list of strings (concatenated),
 //!   or token ids (a list of integers, or a list of such lists, flattened).
 //! - `/generate` (SGLang): `text` (string or list of strings), else `input_ids`.
+//! - `/v1/responses`: `instructions` as a `system` message, then `input`: a
+//!   string as a `user` message, or each item as a message whose role is its
+//!   `role` (else its `type`) and whose text is its content (as in chat), or a
+//!   function call's `name` and `arguments`, or a call output's `output`.
 //! - anything else, or missing fields: the empty prompt.
 //!
 //! Blocks are `4 * block_tokens` bytes of text, or `block_tokens` ids. Only
@@ -108,6 +112,7 @@ fn canonical(path: &str, body: &Value) -> Canonical {
     let path = path.split('?').next().unwrap_or(path);
     match path {
         "/v1/chat/completions" => Canonical::Text(chat_text(body)),
+        "/v1/responses" => Canonical::Text(responses_text(body)),
         "/v1/completions" => body.get("prompt").map_or(empty(), text_or_ids),
         "/generate" => match (body.get("text"), body.get("input_ids")) {
             (Some(text), _) => text_or_ids(text),
@@ -128,20 +133,49 @@ fn chat_text(body: &Value) -> Vec<u8> {
     let messages = body.get("messages").and_then(Value::as_array);
     for message in messages.into_iter().flatten() {
         let role = message.get("role").and_then(Value::as_str).unwrap_or("");
-        text.extend_from_slice(role.as_bytes());
-        text.push(b'\n');
-        match message.get("content") {
-            Some(Value::String(content)) => text.extend_from_slice(content.as_bytes()),
-            Some(Value::Array(parts)) => {
+        push_message(&mut text, role, &[message.get("content")]);
+    }
+    text
+}
+
+/// The Responses API's prompt: instructions, then the input items.
+fn responses_text(body: &Value) -> Vec<u8> {
+    let mut text = Vec::new();
+    if let Some(instructions) = body.get("instructions").filter(|v| v.is_string()) {
+        push_message(&mut text, "system", &[Some(instructions)]);
+    }
+    match body.get("input") {
+        Some(input @ Value::String(_)) => push_message(&mut text, "user", &[Some(input)]),
+        Some(Value::Array(items)) => {
+            for item in items {
+                let label = item.get("role").or_else(|| item.get("type"));
+                let label = label.and_then(Value::as_str).unwrap_or("");
+                let parts = ["name", "arguments", "content", "output"].map(|f| item.get(f));
+                push_message(&mut text, label, &parts);
+            }
+        }
+        _ => {}
+    }
+    text
+}
+
+/// `role`, a newline, the text of each of `contents` (a string, or a list of
+/// parts whose `text` fields are concatenated), a newline.
+fn push_message(text: &mut Vec<u8>, role: &str, contents: &[Option<&Value>]) {
+    text.extend_from_slice(role.as_bytes());
+    text.push(b'\n');
+    for content in contents.iter().flatten() {
+        match content {
+            Value::String(content) => text.extend_from_slice(content.as_bytes()),
+            Value::Array(parts) => {
                 for part in parts.iter().filter_map(|p| p.get("text")?.as_str()) {
                     text.extend_from_slice(part.as_bytes());
                 }
             }
             _ => {}
         }
-        text.push(b'\n');
     }
-    text
+    text.push(b'\n');
 }
 
 /// A string, a list of strings (concatenated), or token ids; a list is read
@@ -221,6 +255,29 @@ mod tests {
         assert_eq!(
             blocks.hashes,
             text_hashes(b"system\nbe brief\nuser\nhello world\nassistant\n\n", 2)
+        );
+    }
+
+    #[test]
+    fn responses_canonical_form() {
+        let body = json!({"model": "m", "instructions": "be brief", "input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "message", "role": "assistant", "id": "msg-1",
+             "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}]},
+        ]});
+        assert_eq!(
+            canonical("/v1/responses", &body),
+            Canonical::Text(
+                b"system\nbe brief\nuser\nweather?\nfunction_call\nget{}\nfunction_call_output\nsunny\nassistant\nSunny.\n"
+                    .to_vec()
+            )
+        );
+        let text_input = json!({"input": "hi", "instructions": null});
+        assert_eq!(
+            canonical("/v1/responses", &text_input),
+            Canonical::Text(b"user\nhi\n".to_vec())
         );
     }
 
