@@ -240,6 +240,8 @@ impl<'h> ChainBuilder<'h> {
 
     /// Appends bytes to the canonical stream.
     pub(crate) fn feed(&mut self, mut data: &[u8]) {
+        #[cfg(test)]
+        tests::FED.with(|f| f.set(f.get() + data.len()));
         while !data.is_empty() && self.active() {
             let room = self.block_len.saturating_sub(self.filled).max(1);
             let (now, rest) = data.split_at(room.min(data.len()));
@@ -354,6 +356,11 @@ impl<'h> ChainBuilder<'h> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Bytes given to `ChainBuilder::feed` on this thread (tests bound a walk's work by it).
+        pub(crate) static FED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
 
     pub(crate) fn cfg(block_bytes: u32, block_tokens: u32, max_blocks: u32) -> PrefixConfig {
         PrefixConfig {

@@ -424,27 +424,30 @@ const RESPONSES_MEMBERS: [&[u8]; 4] = [
 /// The engines render `instructions` as a leading system message, then the `input` items in
 /// order, so the canonical stream is the chat one: `system`, `"`, the instructions, `"`, then
 /// per item its role (or, for an item without one, its `type`), `"`, its text, `"` — where the
-/// text is the content (a string, or its `text` / `input_text` / `output_text` parts), a function
-/// call's `name`, `"` and `arguments`, or a function call output's `output`. Ids, status and other
+/// text is a function call's `name`, `"` and `arguments`, then the item's `content`, else its
+/// `output` (a string, or the `text` / `input_text` / `output_text` parts of a list; any other
+/// shape, such as a computer call's screenshot object, adds nothing). Ids, status and other
 /// members the server adds to the items it returns are ignored, so an item reads the same whether
 /// the client sends it back whole or rebuilt. A string `input` is one user message.
 ///
-/// `input` is walked where it stands; `instructions` found after it walks it again (once, at the
-/// end). A request continuing server-side state (`previous_response_id` or `conversation` not
-/// null) has no usable prompt: its body holds only the newest items, not the prefix the engine
-/// will compute, so reading it would place the turn by a fragment.
+/// The first `input` is walked where it stands; a later `input`, or `instructions` after it, is
+/// only located, and the last `input` is walked again once at the end: at most two walks
+/// whatever the number of duplicate members. A request continuing server-side state
+/// (`previous_response_id` or `conversation` not null, or an `item_reference` item) has no usable
+/// prompt: its body holds only the newest items, not the prefix the engine will compute, so
+/// reading it would place the turn by a fragment.
 #[derive(Default)]
 struct ResponsesPrompt {
     /// The span of a string `instructions` (the last one).
     instructions: Option<(usize, usize)>,
-    /// `instructions` is present and neither a string nor null.
+    /// The last `instructions` is neither a string nor null.
     bad_instructions: bool,
     /// Where the last `input` value starts.
     input_at: Option<usize>,
-    /// `instructions` changed after `input` was walked.
+    /// The walk of the first `input` is not the prompt: walk the last one again at the end.
     rewalk: bool,
-    /// The request continues a stored response or conversation.
-    stateful: bool,
+    /// The last `previous_response_id` and the last `conversation` are not null.
+    continues: [bool; 2],
 }
 
 impl ResponsesPrompt {
@@ -461,16 +464,21 @@ impl ResponsesPrompt {
                     Some(b'"') => (Some(string_span(s)?), false),
                     other => (s.skip_value().map(|_| None)?, other != Some(b'n')),
                 };
-                self.rewalk = self.input_at.is_some();
+                self.rewalk |= self.input_at.is_some();
             }
             b"input" => {
+                let first = self.input_at.is_none();
                 self.input_at = Some(s.i);
-                self.rewalk = false;
-                self.walk(s, c)?;
+                if first {
+                    self.walk(s, c)?;
+                } else {
+                    self.rewalk = true;
+                    s.skip_value()?;
+                }
             }
             b"previous_response_id" | b"conversation" => {
                 // A value starting with `n` that the scanner accepts is `null`.
-                self.stateful |= s.peek() != Some(b'n');
+                self.continues[usize::from(name == b"conversation")] = s.peek() != Some(b'n');
                 s.skip_value()?;
             }
             _ => s.skip_value()?,
@@ -492,7 +500,7 @@ impl ResponsesPrompt {
         if let (true, Some(at)) = (self.rewalk, self.input_at) {
             self.walk(&mut Scanner { b: body, i: at }, c)?;
         }
-        if self.stateful || self.bad_instructions {
+        if self.continues.contains(&true) || self.bad_instructions {
             c.unusable();
         }
         Ok(())
@@ -529,14 +537,18 @@ fn walk_input(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanE
 fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     // The string members read, by their index in ITEM_STRINGS.
     let mut spans: [Option<(usize, usize)>; 4] = [None; 4];
-    let mut text_at = None;
+    // Where `content` and `output` start (the text is the content, else the output), when they
+    // are a string or a list of parts: other shapes (a computer call's screenshot object) carry
+    // no text the chain reads.
+    let mut text_at: [Option<usize>; 2] = [None; 2];
     if enter(s, b'{', b'}')? {
         loop {
             let member = member_name(s)?;
+            let texty = matches!(s.peek(), Some(b'"' | b'['));
             match ITEM_STRINGS.iter().position(|n| *n == &*member) {
                 Some(k) if s.peek() == Some(b'"') => spans[k] = Some(string_span(s)?),
-                _ if matches!(&*member, b"content" | b"output") => {
-                    text_at = Some(s.i);
+                _ if texty && matches!(&*member, b"content" | b"output") => {
+                    text_at[usize::from(&*member == b"output")] = Some(s.i);
                     s.skip_value()?;
                 }
                 _ => s.skip_value()?,
@@ -547,6 +559,10 @@ fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
         }
     }
     let [role, kind, name, arguments] = spans.map(|span| span.map(|span| bytes(s.b, span)));
+    if kind == Some(b"item_reference") {
+        // Names an item stored on the server: the prompt is not all in the body.
+        c.unusable();
+    }
     c.feed(role.or(kind).unwrap_or_default());
     c.feed(&[SEP]);
     if let Some(name) = name {
@@ -554,7 +570,7 @@ fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
         c.feed(&[SEP]);
     }
     c.feed(arguments.unwrap_or_default());
-    if let Some(at) = text_at.filter(|_| c.active()) {
+    if let Some(at) = text_at[0].or(text_at[1]).filter(|_| c.active()) {
         walk_content(&mut Scanner { b: s.b, i: at }, c)?;
     }
     c.feed(&[SEP]);
@@ -891,10 +907,13 @@ mod tests {
                         out.extend(name.as_bytes());
                         out.push(SEP);
                     }
+                    if string("type") == Some("item_reference") {
+                        return None;
+                    }
                     out.extend(string("arguments").unwrap_or("").as_bytes());
-                    // The last of `content` / `output` in document order is the text (the
-                    // bodies here have at most one of them).
-                    content_reference(item.get("content").or(item.get("output")), &mut out)?;
+                    let texty = |v: &&Json| v.is_string() || v.is_array();
+                    let text = item.get("content").filter(texty);
+                    content_reference(text.or(item.get("output").filter(texty)), &mut out)?;
                     out.push(SEP);
                 }
             }
@@ -999,6 +1018,19 @@ mod tests {
         ] {
             assert_eq!(chain(body, Api::Responses, &c), Vec::<u64>::new(), "{body}");
         }
+        // The last of each member wins; an item naming a stored item has no prompt either.
+        let last_null =
+            format!(r#"{{"previous_response_id":"r",{input},"previous_response_id":null}}"#);
+        assert_eq!(chain(&last_null, Api::Responses, &c).len(), 2);
+        let referenced = r#"{"input":[{"role":"user","content":"a question long enough for two blocks"},{"type":"item_reference","id":"msg_1"}]}"#;
+        assert_eq!(chain(referenced, Api::Responses, &c), Vec::<u64>::new());
+        // A screenshot object as the output adds nothing; the content, if any, is the text.
+        let screenshot = r#"{"input":[{"role":"user","content":"a question long enough for two blocks"},
+            {"type":"computer_call_output","call_id":"c","output":{"type":"computer_screenshot","image_url":"u"}},
+            {"type":"x","output":"not read","content":"read"}]}"#;
+        check_against_reference(screenshot, Api::Responses, &c);
+        // 72 bytes of canonical stream.
+        assert_eq!(chain(screenshot, Api::Responses, &c).len(), 4);
         // The last `input` wins, with the instructions wherever they are.
         let twice = r#"{"input":"first input, long enough","instructions":"sys","input":"second input, long enough"}"#;
         let once = r#"{"instructions":"sys","input":"second input, long enough"}"#;
@@ -1013,6 +1045,26 @@ mod tests {
             &hasher()
         )
         .is_err());
+    }
+
+    /// Duplicate `input` and `instructions` members cost at most two walks of the prompt, not one
+    /// per member (each walk feeds the instructions again: 256 KiB a member, for 10 bytes of body).
+    #[test]
+    fn duplicate_responses_members_are_walked_at_most_twice() {
+        let c = cfg(512, 16, 512);
+        let instructions = "x".repeat(64 * 1024);
+        let mut body = format!(r#"{{"instructions":"{instructions}","input":"first""#);
+        for _ in 0..200 {
+            body.push_str(r#","input":0"#);
+        }
+        body.push_str(r#","instructions":"short","input":"last","instructions":"#);
+        body.push_str(&format!(r#""{instructions}"}}"#));
+        crate::chain::tests::FED.with(|f| f.set(0));
+        let got = chain(&body, Api::Responses, &c);
+        let fed = crate::chain::tests::FED.with(|f| f.get());
+        let once = format!(r#"{{"instructions":"{instructions}","input":"last"}}"#);
+        assert_eq!(got, chain(&once, Api::Responses, &c));
+        assert!(fed <= 2 * (instructions.len() + 64), "fed {fed} bytes");
     }
 
     #[test]
