@@ -1601,8 +1601,8 @@ mod tests {
         let vllm = parse(r#"{"dp_size":4,"target":{"mode":"engine","engine":"vllm"}}"#).unwrap();
         assert_eq!(
             vllm.target.engine().map(|t| t.paths.len()),
-            Some(3),
-            "chat, completions and responses"
+            Some(4),
+            "chat, completions, responses and messages"
         );
         let listed = parse(
             r#"{"dp_size":4,"target":{"mode":"engine","paths":[

@@ -18,7 +18,7 @@
 //!   is read the same way. Text and token prompts are separate hash domains, and chat is a third
 //!   (so a completions batch can never collide with a chat that renders to the same bytes);
 //! - OpenAI Responses (`instructions`, `input`): the chat stream of the messages the engines
-//!   render from it, `instructions` as a `system` message first (see `ResponsesPrompt`), in
+//!   render from it, `instructions` as a `system` message first (see `SplitPrompt`), in
 //!   the chat domain: the same conversation sent either way shares its entries.
 //!
 //! `"` is an unambiguous separator: it never appears unescaped inside a JSON string.
@@ -66,12 +66,15 @@ pub enum Api {
     Generate,
     /// OpenAI Responses (`/v1/responses`): `instructions`, then `input`.
     Responses,
+    /// Anthropic Messages (`/v1/messages`, which SGLang and vLLM serve): `system`, then
+    /// `messages`.
+    Messages,
 }
 
 impl Api {
     /// The API of a request path (`:path`, query ignored): `.../chat/completions`,
-    /// `.../completions`, `.../generate` or `.../responses` (not `.../responses/{id}`, which
-    /// carries no prompt). `None`: no prompt the filter knows how to read.
+    /// `.../completions`, `.../generate`, `.../responses` (not `.../responses/{id}`, which
+    /// carries no prompt) or `.../messages` (not `.../messages/count_tokens`). `None`: no prompt the filter knows how to read.
     pub fn from_path(path: &[u8]) -> Option<Api> {
         let end = path
             .iter()
@@ -89,6 +92,8 @@ impl Api {
             Some(Api::Generate)
         } else if p.ends_with(b"/responses") {
             Some(Api::Responses)
+        } else if p.ends_with(b"/messages") {
+            Some(Api::Messages)
         } else {
             None
         }
@@ -99,8 +104,9 @@ impl Api {
             Api::Chat => name == b"messages",
             Api::Completions => name == b"prompt",
             Api::Generate => name == b"text" || name == b"input_ids",
-            // Those that make the prompt, or tell it is not all in the body (`ResponsesPrompt`).
+            // Those that make the prompt, or tell it is not all in the body (`SplitPrompt`).
             Api::Responses => RESPONSES_MEMBERS.contains(&name),
+            Api::Messages => name == b"system" || name == b"messages",
         }
     }
 }
@@ -142,7 +148,7 @@ pub fn scan_prompt<'a>(
     let (mut s, _, empty) = Scanner::open_object(body)?;
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;
-    let mut responses = ResponsesPrompt::default();
+    let mut split = SplitPrompt::default();
     if !empty {
         loop {
             let name = member_name(&mut s)?;
@@ -155,7 +161,7 @@ pub fn scan_prompt<'a>(
                     None
                 };
             } else if api.is_prompt_field(&name) {
-                walk_prompt_member(api, &name, &mut s, &mut chain, &mut responses)?;
+                walk_prompt_member(api, &name, &mut s, &mut chain, &mut split)?;
             }
             match wanted.iter().position(|w| w.as_bytes() == &*name) {
                 Some(idx) if s.i == start => found(idx, s.value()?),
@@ -176,8 +182,8 @@ pub fn scan_prompt<'a>(
         }
     }
     s.expect_end()?;
-    if api == Api::Responses {
-        responses.finish(body, &mut chain)?;
+    if matches!(api, Api::Responses | Api::Messages) {
+        split.finish(api, body, &mut chain)?;
     }
     let model = model.map(|span| bytes(body, span));
     Ok(chain.finish(model))
@@ -191,12 +197,12 @@ fn walk_prompt_member(
     name: &[u8],
     s: &mut Scanner<'_>,
     chain: &mut ChainBuilder<'_>,
-    responses: &mut ResponsesPrompt,
+    split: &mut SplitPrompt,
 ) -> Result<(), ScanError> {
     match api {
         Api::Chat => walk_messages(s, chain.restart()),
         Api::Completions | Api::Generate => walk_text_or_ids(s, chain.restart()),
-        Api::Responses => responses.member(name, s, chain),
+        Api::Responses | Api::Messages => split.member(api, name, s, chain),
     }
 }
 
@@ -254,11 +260,16 @@ fn member_name<'a>(s: &mut Scanner<'a>) -> Result<std::borrow::Cow<'a, [u8]>, Sc
 
 /// `messages`: an array of message objects.
 fn walk_messages(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    c.begin(Domain::Chat);
+    walk_message_list(s, c)
+}
+
+/// The messages of an array, after what the chain has already been fed.
+fn walk_message_list(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     if s.peek() != Some(b'[') {
         c.unusable();
         return s.skip_value();
     }
-    c.begin(Domain::Chat);
     each_object(s, c, walk_message)
 }
 
@@ -380,38 +391,79 @@ fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanE
     each_object(s, c, walk_part)
 }
 
+/// A part: its `text` if it is a text part. Anthropic's blocks add a tool call (`tool_use`): its
+/// `name`, `"` and its `input` as raw JSON; and a tool's answer (`tool_result`): the text of its
+/// `content` (a string, or the text parts of a list, read one level deep only).
 fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-    let mut is_text = false;
-    let mut text: Option<(usize, usize)> = None;
+    let part = read_part(s)?;
+    match (part.kind, part.text) {
+        (Some(kind), Some(text)) if is_text_part(kind) => c.feed(text),
+        (Some(b"tool_use"), _) => {
+            c.feed(part.name.unwrap_or_default());
+            c.feed(&[SEP]);
+            c.feed(part.input.unwrap_or_default());
+        }
+        (Some(b"tool_result"), _) => match part.content_at {
+            Some(at) if s.b.get(at) == Some(&b'[') => {
+                each_object(&mut Scanner { b: s.b, i: at }, c, walk_text_part)?;
+            }
+            Some(at) => walk_content(&mut Scanner { b: s.b, i: at }, c)?,
+            None => {}
+        },
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A part of a tool result's content: its `text` if it is a text part, nothing else.
+fn walk_text_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let part = read_part(s)?;
+    match (part.kind, part.text) {
+        (Some(kind), Some(text)) if is_text_part(kind) => c.feed(text),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// What a content part holds, as raw bytes of the body. A member present twice: the last wins;
+/// a `type` or `text` that is not a string counts as absent.
+#[derive(Default)]
+struct Part<'a> {
+    kind: Option<&'a [u8]>,
+    text: Option<&'a [u8]>,
+    name: Option<&'a [u8]>,
+    /// The raw JSON of `input` (a tool call's arguments).
+    input: Option<&'a [u8]>,
+    /// Where a string or list `content` starts (a tool result's).
+    content_at: Option<usize>,
+}
+
+fn read_part<'a>(s: &mut Scanner<'a>) -> Result<Part<'a>, ScanError> {
+    let mut part = Part::default();
     if enter(s, b'{', b'}')? {
         loop {
             let name = member_name(s)?;
-            let string = s.peek() == Some(b'"');
+            let at = s.i;
+            let kind = s.peek();
+            s.skip_value()?;
+            let string = (kind == Some(b'"')).then(|| bytes(s.b, (at + 1, s.i - 1)));
             match &*name {
-                b"type" if string => is_text = is_text_part(bytes(s.b, string_span(s)?)),
-                b"text" if string => text = Some(string_span(s)?),
-                b"type" => {
-                    is_text = false;
-                    s.skip_value()?;
-                }
-                b"text" => {
-                    text = None;
-                    s.skip_value()?;
-                }
-                _ => s.skip_value()?,
+                b"type" => part.kind = string,
+                b"text" => part.text = string,
+                b"name" => part.name = string,
+                b"input" => part.input = s.b.get(at..s.i),
+                b"content" => part.content_at = matches!(kind, Some(b'"' | b'[')).then_some(at),
+                _ => {}
             }
             if !object_next(s)? {
                 break;
             }
         }
     }
-    if let (true, Some(span)) = (is_text, text) {
-        c.feed(bytes(s.b, span));
-    }
-    Ok(())
+    Ok(part)
 }
 
-/// The top-level members `ResponsesPrompt` reads.
+/// The top-level members `SplitPrompt` reads in a Responses body.
 const RESPONSES_MEMBERS: [&[u8]; 4] = [
     b"instructions",
     b"input",
@@ -419,92 +471,129 @@ const RESPONSES_MEMBERS: [&[u8]; 4] = [
     b"conversation",
 ];
 
-/// The members of a Responses API body that make its prompt, gathered during the top-level walk.
+/// A prompt made of two top-level members, gathered during the top-level walk: a *lead* the
+/// engines render as a leading system message (Responses `instructions`, Messages `system`: a
+/// string, or the text blocks of a list) and a *list* (Responses `input`, Messages `messages`).
+/// The canonical stream is the chat one: `system`, `"`, the lead's text, `"`, then the list.
 ///
-/// The engines render `instructions` as a leading system message, then the `input` items in
-/// order, so the canonical stream is the chat one: `system`, `"`, the instructions, `"`, then
-/// per item its role (or, for an item without one, its `type`), `"`, its text, `"` — where the
-/// text is a function call's `name`, `"` and `arguments`, then the item's `content`, else its
-/// `output` (a string, or the `text` / `input_text` / `output_text` parts of a list; any other
-/// shape, such as a computer call's screenshot object, adds nothing). Ids, status and other
-/// members the server adds to the items it returns are ignored, so an item reads the same whether
-/// the client sends it back whole or rebuilt. A string `input` is one user message.
+/// Responses `input`: a string is one user message; an item is its role (or, for an item without
+/// one, its `type`), `"`, its text, `"` — where the text is a function call's `name`, `"` and
+/// `arguments`, then the item's `content`, else its `output` (a string, or the `text` /
+/// `input_text` / `output_text` parts of a list; any other shape, such as a computer call's
+/// screenshot object, adds nothing). Ids, status and other members the server adds to the items
+/// it returns are ignored, so an item reads the same whether the client sends it back whole or
+/// rebuilt. Messages `messages`: as chat's, with Anthropic's content blocks (`walk_part`).
 ///
-/// The first `input` is walked where it stands; a later `input`, or `instructions` after it, is
-/// only located, and the last `input` is walked again once at the end: at most two walks
-/// whatever the number of duplicate members. A request continuing server-side state
-/// (`previous_response_id` or `conversation` not null, or an `item_reference` item) has no usable
-/// prompt: its body holds only the newest items, not the prefix the engine will compute, so
-/// reading it would place the turn by a fragment.
+/// The first list is walked where it stands; a later list, or a lead after it, is only located,
+/// and the last list is walked again once at the end: at most two walks whatever the number of
+/// duplicate members. A Responses request continuing server-side state (`previous_response_id` or
+/// `conversation` not null, or an `item_reference` item) has no usable prompt: its body holds
+/// only the newest items, not the prefix the engine will compute, so reading it would place the
+/// turn by a fragment.
 #[derive(Default)]
-struct ResponsesPrompt {
-    /// The span of a string `instructions` (the last one).
-    instructions: Option<(usize, usize)>,
-    /// The last `instructions` is neither a string nor null.
-    bad_instructions: bool,
-    /// Where the last `input` value starts.
-    input_at: Option<usize>,
-    /// The walk of the first `input` is not the prompt: walk the last one again at the end.
+struct SplitPrompt {
+    /// Where the last lead value starts, when it is a string or a list.
+    lead_at: Option<usize>,
+    /// The last lead is neither a string, a list nor null.
+    bad_lead: bool,
+    /// Where the last list value starts.
+    list_at: Option<usize>,
+    /// The walk of the first list is not the prompt: walk the last one again at the end.
     rewalk: bool,
     /// The last `previous_response_id` and the last `conversation` are not null.
     continues: [bool; 2],
 }
 
-impl ResponsesPrompt {
+impl SplitPrompt {
     /// Reads a member that `Api::is_prompt_field` names.
     fn member(
         &mut self,
+        api: Api,
         name: &[u8],
         s: &mut Scanner<'_>,
         c: &mut ChainBuilder<'_>,
     ) -> Result<(), ScanError> {
         match name {
-            b"instructions" => {
-                (self.instructions, self.bad_instructions) = match s.peek() {
-                    Some(b'"') => (Some(string_span(s)?), false),
-                    other => (s.skip_value().map(|_| None)?, other != Some(b'n')),
-                };
-                self.rewalk |= self.input_at.is_some();
-            }
-            b"input" => {
-                let first = self.input_at.is_none();
-                self.input_at = Some(s.i);
-                if first {
-                    self.walk(s, c)?;
-                } else {
-                    self.rewalk = true;
-                    s.skip_value()?;
-                }
+            b"instructions" | b"system" => {
+                let at = s.i;
+                let kind = s.peek();
+                s.skip_value()?;
+                self.lead_at = matches!(kind, Some(b'"' | b'[')).then_some(at);
+                self.bad_lead = self.lead_at.is_none() && kind != Some(b'n');
+                self.rewalk |= self.list_at.is_some();
             }
             b"previous_response_id" | b"conversation" => {
                 // A value starting with `n` that the scanner accepts is `null`.
                 self.continues[usize::from(name == b"conversation")] = s.peek() != Some(b'n');
                 s.skip_value()?;
             }
-            _ => s.skip_value()?,
+            _ => {
+                let first = self.list_at.is_none();
+                self.list_at = Some(s.i);
+                if first {
+                    self.walk(api, s, c)?;
+                } else {
+                    self.rewalk = true;
+                    s.skip_value()?;
+                }
+            }
         }
         Ok(())
     }
 
-    /// The whole prompt from `input` at the cursor: instructions first.
-    fn walk(&self, s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    /// The whole prompt from the list at the cursor: the lead first.
+    fn walk(
+        &self,
+        api: Api,
+        s: &mut Scanner<'_>,
+        c: &mut ChainBuilder<'_>,
+    ) -> Result<(), ScanError> {
         let c = c.restart();
         c.begin(Domain::Chat);
-        if let Some(span) = self.instructions {
-            feed_message(c, b"system", bytes(s.b, span));
+        if let Some(at) = self.lead_at {
+            c.feed(b"system\"");
+            walk_lead(&mut Scanner { b: s.b, i: at }, c)?;
+            c.feed(&[SEP]);
         }
-        walk_input(s, c)
+        match api {
+            Api::Messages => walk_message_list(s, c),
+            _ => walk_input(s, c),
+        }
     }
 
-    fn finish(&self, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-        if let (true, Some(at)) = (self.rewalk, self.input_at) {
-            self.walk(&mut Scanner { b: body, i: at }, c)?;
+    fn finish(&self, api: Api, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        if let (true, Some(at)) = (self.rewalk, self.list_at) {
+            self.walk(api, &mut Scanner { b: body, i: at }, c)?;
         }
-        if self.continues.contains(&true) || self.bad_instructions {
+        if self.continues.contains(&true) || self.bad_lead {
             c.unusable();
         }
         Ok(())
     }
+}
+
+/// The lead's text: a string, or the text blocks of a list, less Claude Code's per-request
+/// billing block, which vLLM drops from the prompt too (it changes every request: reading it
+/// would give every request a prompt of its own).
+fn walk_lead(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    match s.peek() {
+        Some(b'[') => each_object(s, c, walk_system_block),
+        _ => walk_content(s, c),
+    }
+}
+
+/// The first bytes of the system block Claude Code adds to each request.
+const BILLING_BLOCK: &[u8] = b"x-anthropic-billing-header";
+
+fn walk_system_block(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let part = read_part(s)?;
+    match (part.kind, part.text) {
+        (Some(kind), Some(text)) if is_text_part(kind) && !text.starts_with(BILLING_BLOCK) => {
+            c.feed(text);
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// A whole message of the canonical stream: `role`, `"`, `text`, `"`.
@@ -532,7 +621,7 @@ fn walk_input(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanE
     }
 }
 
-/// One `input` item (see `ResponsesPrompt`): its members are located first, then fed in the
+/// One `input` item (see `SplitPrompt`): its members are located first, then fed in the
 /// canonical order whatever their order in the object.
 fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     // The string members read, by their index in ITEM_STRINGS.
@@ -808,6 +897,9 @@ mod tests {
                 Some((Domain::Chat, out))
             }
             Api::Responses => responses_reference(body),
+            // Checked against explicit streams (`messages_canonical_form`): a tool call's input
+            // is read as raw JSON, which a DOM does not keep.
+            Api::Messages => unreachable!("no DOM reference for Messages bodies"),
             Api::Completions | Api::Generate => {
                 let field = match api {
                     Api::Completions => "prompt",
@@ -1047,6 +1139,58 @@ mod tests {
         .is_err());
     }
 
+    #[test]
+    fn messages_canonical_form() {
+        let c = cfg(16, 4, 64);
+        let body = |billing: &str, system_last: bool| {
+            let system = format!(
+                r#""system":[{{"type":"text","text":"x-anthropic-billing-header: cc_version=1; {billing}"}},{{"type":"text","text":"You are terse.","cache_control":{{"type":"ephemeral"}}}}]"#
+            );
+            let messages = r#""messages":[{"role":"user","content":"Fix the test"},
+                {"role":"assistant","content":[{"type":"text","text":"Running it."},{"type":"tool_use","id":"toolu_1","name":"bash","input":{"cmd":"make test"}}]},
+                {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"1 failed"}]},
+                {"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"text","text":"Fixed."}]},
+                {"content":[{"type":"tool_result","tool_use_id":"toolu_2","content":[{"type":"text","text":"ok"},{"type":"image","source":{}}]},{"type":"text","text":"Thanks"}],"role":"user"}]"#;
+            match system_last {
+                false => format!(r#"{{"model":"m",{system},{messages},"max_tokens":8}}"#),
+                true => format!(r#"{{"model":"m",{messages},"max_tokens":8,{system}}}"#),
+            }
+        };
+        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"okThanks""#;
+        let want = direct(Domain::Chat, stream, Some("m"), &c);
+        assert_eq!(chain(&body("a1", false), Api::Messages, &c), want);
+        // Claude Code's billing block changes every request and is not read; the system may
+        // come after the messages.
+        assert_eq!(chain(&body("b2", true), Api::Messages, &c), want);
+        // A plain conversation reads as the same chat.
+        let messages = r#"{"model":"m","system":"You are terse.","messages":[{"role":"user","content":"Fix the test, please, now"}]}"#;
+        let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Fix the test, please, now"}]}"#;
+        assert_eq!(
+            chain(messages, Api::Messages, &c),
+            chain(chat, Api::Chat, &c)
+        );
+        assert_eq!(
+            opening(messages, Api::Messages, &c),
+            opening(chat, Api::Chat, &c)
+        );
+        assert!(opening(&body("a1", false), Api::Messages, &c).is_some());
+        // A tool result's content is read one level deep: a result nested in it adds nothing.
+        let nested = r#"{"messages":[{"role":"user","content":[{"type":"tool_result","content":[{"type":"tool_result","content":"deep"},{"type":"text","text":"0123456789abcdef"}]}]}]}"#;
+        assert_eq!(
+            chain(nested, Api::Messages, &c),
+            direct(Domain::Chat, b"user\"0123456789abcdef\"", None, &c)
+        );
+        for bad in [
+            r#"{"system":7,"messages":[{"role":"user","content":"a message long enough for two blocks"}]}"#,
+            r#"{"system":"s","messages":{"role":"user"}}"#,
+            r#"{"system":"a system prompt long enough for two blocks"}"#,
+        ] {
+            assert_eq!(chain(bad, Api::Messages, &c), Vec::<u64>::new(), "{bad}");
+        }
+        let null_system = r#"{"system":null,"messages":[{"role":"user","content":"a message long enough for two blocks"}]}"#;
+        assert_eq!(chain(null_system, Api::Messages, &c).len(), 2);
+    }
+
     /// Duplicate `input` and `instructions` members cost at most two walks of the prompt, not one
     /// per member (each walk feeds the instructions again: 256 KiB a member, for 10 bytes of body).
     #[test]
@@ -1064,6 +1208,19 @@ mod tests {
         let fed = crate::chain::tests::FED.with(|f| f.get());
         let once = format!(r#"{{"instructions":"{instructions}","input":"last"}}"#);
         assert_eq!(got, chain(&once, Api::Responses, &c));
+        assert!(fed <= 2 * (instructions.len() + 64), "fed {fed} bytes");
+        // The same for Messages' `system` and `messages`.
+        let list = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let mut body = format!(r#"{{"system":"{instructions}",{list}"#);
+        for _ in 0..200 {
+            body.push_str(&format!(",{list}"));
+        }
+        body.push_str(&format!(r#","system":"{instructions}"}}"#));
+        crate::chain::tests::FED.with(|f| f.set(0));
+        let got = chain(&body, Api::Messages, &c);
+        let fed = crate::chain::tests::FED.with(|f| f.get());
+        let once = format!(r#"{{"system":"{instructions}",{list}}}"#);
+        assert_eq!(got, chain(&once, Api::Messages, &c));
         assert!(fed <= 2 * (instructions.len() + 64), "fed {fed} bytes");
     }
 
@@ -1583,6 +1740,7 @@ mod tests {
             r#"{"prompt":[[1,2,3],[4,5]],"model":"m","n":-1.5e3}"#,
             r#"{"input_ids":[1,20,300,4000],"text":"abc\u00e9","sampling_params":{"max_new_tokens":8}}"#,
             r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"q"}]},{"type":"function_call","name":"f","arguments":"{}"}],"instructions":"s","previous_response_id":null}"#,
+            r#"{"messages":[{"role":"assistant","content":[{"type":"tool_use","name":"f","input":{"a":[1]}}]},{"role":"user","content":[{"type":"tool_result","content":[{"type":"text","text":"r"}]}]}],"system":[{"type":"text","text":"s"}]}"#,
         ];
         let c = cfg(4, 2, 16);
         let h = hasher();
@@ -1608,7 +1766,13 @@ mod tests {
                     }
                 }
                 let top = scan_top_level(&b, &[], |_, _| {}).is_ok();
-                for api in [Api::Chat, Api::Completions, Api::Generate, Api::Responses] {
+                for api in [
+                    Api::Chat,
+                    Api::Completions,
+                    Api::Generate,
+                    Api::Responses,
+                    Api::Messages,
+                ] {
                     let ours = prompt_chain(&b, api, &c, &h);
                     assert_eq!(
                         ours.is_ok(),
@@ -1682,6 +1846,8 @@ mod tests {
             ("/v1/responses?x=1", Some(Api::Responses)),
             ("/v1/responses/resp_1", None),
             ("/v1/responses/resp_1/cancel", None),
+            ("/v1/messages", Some(Api::Messages)),
+            ("/v1/messages/count_tokens", None),
             ("/v1/models", None),
             ("/", None),
             ("", None),

@@ -134,7 +134,12 @@ impl EngineTarget {
     /// (and the body fields when there is none), `/generate` the body field only; vLLM's OpenAI
     /// paths take the header only. Other paths are not listed: they choose no rank.
     pub fn preset(engine: Engine) -> EngineTarget {
-        let openai = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
+        let openai = [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/messages",
+        ];
         let sglang_fields = || SGLANG_BODY_FIELDS.iter().map(|f| f.to_string()).collect();
         let paths = match engine {
             Engine::Sglang => {
@@ -274,21 +279,25 @@ mod tests {
         assert!(generate.edits_body(true));
         assert_eq!(sglang.for_path(b"/v1/embeddings"), None);
         assert_eq!(sglang.headers, [RANK_HEADER]);
-        // The Responses API reads the rank as chat does, in both engines.
-        let responses = sglang.for_path(b"/v1/responses").unwrap();
-        assert_eq!(
-            (&responses.header, &responses.body_fields),
-            (&chat.header, &chat.body_fields)
-        );
+        // The Responses and Messages APIs read the rank as chat does, in both engines.
+        for path in [&b"/v1/responses"[..], b"/v1/messages"] {
+            let target = sglang.for_path(path).unwrap();
+            assert_eq!(
+                (&target.header, &target.body_fields),
+                (&chat.header, &chat.body_fields)
+            );
+        }
 
         let vllm = EngineTarget::preset(Engine::Vllm);
         let completions = vllm.for_path(b"/v1/completions?x=1").unwrap();
         assert!(completions.body_fields.is_empty());
         assert!(!completions.edits_body(false));
         assert_eq!(vllm.for_path(b"/generate"), None, "vLLM has no /generate");
-        let responses = vllm.for_path(b"/v1/responses").unwrap();
-        assert_eq!(responses.header.as_deref(), Some(RANK_HEADER));
-        assert!(responses.body_fields.is_empty());
+        for path in [&b"/v1/responses"[..], b"/v1/messages"] {
+            let target = vllm.for_path(path).unwrap();
+            assert_eq!(target.header.as_deref(), Some(RANK_HEADER));
+            assert!(target.body_fields.is_empty());
+        }
 
         let legacy = EngineTarget::one_header("x-r");
         assert_eq!(

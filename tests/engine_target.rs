@@ -20,6 +20,7 @@ const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
 const GENERATE: &str = "/generate";
 const RESPONSES: &str = "/v1/responses";
+const MESSAGES: &str = "/v1/messages";
 const TRUST_HEADER: &str = "x-router-token";
 const SECRET: &str = "engine-e2e-secret";
 
@@ -50,6 +51,9 @@ fn body_for(path: &str, text: &str) -> String {
         CHAT => json!({"model": "m", "messages": [{"role": "user", "content": text}]}),
         COMPLETIONS => json!({"model": "m", "prompt": text}),
         RESPONSES => json!({"model": "m", "input": text, "max_output_tokens": 2}),
+        MESSAGES => {
+            json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": text}]})
+        }
         _ => json!({"text": text, "sampling_params": {"max_new_tokens": 2}}),
     }
     .to_string()
@@ -132,13 +136,13 @@ fn sglang_preset_keeps_conversations_on_every_path() {
         with_target(preset("sglang"), json!({})),
         &[],
     );
-    for path in [CHAT, COMPLETIONS, GENERATE, RESPONSES] {
+    for path in [CHAT, COMPLETIONS, GENERATE, RESPONSES, MESSAGES] {
         let ranks = conversations(&stack, path, 16, 5);
         assert_sticky_and_spread(path, &ranks);
     }
     let counters = stack.settled();
     counters.assert_eq("target_body_rewritten", 16 * 5);
-    counters.assert_eq("affinity_hit", 4 * 16 * 4);
+    counters.assert_eq("affinity_hit", 5 * 16 * 4);
     counters.assert_zero(&[
         "untargeted",
         "target_body_unwritable",
@@ -198,7 +202,7 @@ fn vllm_preset_keeps_conversations_and_leaves_other_paths_alone() {
         with_target(preset("vllm"), json!({})),
         &[],
     );
-    for path in [CHAT, COMPLETIONS, RESPONSES] {
+    for path in [CHAT, COMPLETIONS, RESPONSES, MESSAGES] {
         assert_sticky_and_spread(path, &conversations(&stack, path, 12, 4));
     }
     // vLLM has no /generate: the request reaches it untouched and gets its 404.

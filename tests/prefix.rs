@@ -5,7 +5,7 @@
 //! short turns keep one rank, and so do conversations sent as one growing message through two
 //! replicas, and conversations that all send one key (its pin yields to their prompts); a long shared prompt is copied to the homes of new sessions on a
 //! quiet cluster instead of pulling them all onto its first holder;
-//! agent loops on the Responses API keep their rank;
+//! agent loops on the Responses and Messages APIs keep their rank;
 //! a keyed request records its prefix for keyless followers; a rank that fails forgets the
 //! prompt's entries; the index stays at its bound.
 //! (`cargo test --test prefix -- --nocapture` prints what each scenario measured.)
@@ -465,6 +465,57 @@ fn responses_api_agent_loops_keep_their_rank_and_spread() {
         "a stateful request was looked up"
     );
     assert!(after.get("no_key") >= before.get("no_key") + 4);
+}
+
+/// Coding-agent loops on the Anthropic Messages API (`/v1/messages`, which SGLang and vLLM serve,
+/// as Claude Code sends them): a system prompt of blocks whose first one, a billing header,
+/// changes on every request, then per turn the assistant's tool call and the tool's result. With
+/// the shipped defaults each session keeps its rank and the sessions spread.
+#[test]
+fn messages_api_agent_loops_keep_their_rank_and_spread() {
+    const SESSIONS: usize = 16;
+    const TURNS: usize = 4;
+    let stack = Stack::start(
+        "prefix_messages_api",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let instructions = "You are a coding agent. Read files, run tools, answer briefly. ".repeat(64);
+    let mut histories: Vec<Vec<Value>> = (0..SESSIONS)
+        .map(|s| {
+            let task = format!("Session {s}: make test {s} pass. ").repeat(48);
+            vec![json!({ "role": "user", "content": [{ "type": "text", "text": task }] })]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); SESSIONS];
+    let mut sent = 0;
+    for turn in 0..TURNS {
+        for (s, history) in histories.iter_mut().enumerate() {
+            sent += 1;
+            let system = json!([
+                { "type": "text", "text": format!("x-anthropic-billing-header: cc_version=2.0; request={sent};") },
+                { "type": "text", "text": instructions, "cache_control": { "type": "ephemeral" } },
+            ]);
+            let request = Request::post("/v1/messages").json(&json!({
+                "model": "mock", "max_tokens": 8, "system": system, "messages": history,
+            }));
+            ranks[s].push(served_rank(&stack.send(&request)));
+            let id = format!("toolu_{s}_{turn}");
+            history.push(json!({ "role": "assistant", "content": [
+                { "type": "text", "text": "Running the tests." },
+                { "type": "tool_use", "id": id, "name": "bash", "input": { "command": format!("make test T={s}") } },
+            ]}));
+            let output = format!("test {s} round {turn}: 3 failures in module {s}. ").repeat(12);
+            history.push(json!({ "role": "user", "content": [
+                { "type": "tool_result", "tool_use_id": id, "content": output },
+            ]}));
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{SESSIONS} Messages API agent loops x {TURNS} turns: first turns per rank {homes:?}, {} moved: {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("Messages API agent loops", &homes, &moved);
 }
 
 /// Many conversations under one key (OpenAI's `user`, an end user's id, sent in the body): the

@@ -56,6 +56,8 @@ enum Api {
     Generate,
     /// OpenAI Responses (`/v1/responses`).
     Responses,
+    /// Anthropic Messages (`/v1/messages`).
+    Messages,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +86,7 @@ fn route(method: &str, path: &str) -> Route {
         "/v1/completions" if post => Route::Llm(Api::Completion),
         "/generate" if post => Route::Llm(Api::Generate),
         "/v1/responses" if post => Route::Llm(Api::Responses),
+        "/v1/messages" if post => Route::Llm(Api::Messages),
         "/mock/stats" if read => Route::Stats,
         // `/mock/reset` is an alias: it also empties the prefix caches.
         "/mock/reset-stats" | "/mock/reset" if post => Route::ResetStats,
@@ -97,6 +100,7 @@ fn route(method: &str, path: &str) -> Route {
         | "/v1/completions"
         | "/generate"
         | "/v1/responses"
+        | "/v1/messages"
         | "/mock/stats"
         | "/mock/reset-stats"
         | "/mock/reset" => Route::MethodNotAllowed,
@@ -162,7 +166,7 @@ impl Server {
         };
         let path = match api {
             Api::Generate => engine::Path::Generate,
-            Api::Chat | Api::Completion | Api::Responses => engine::Path::OpenAi,
+            Api::Chat | Api::Completion | Api::Responses | Api::Messages => engine::Path::OpenAi,
         };
         let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
         let kind = self.cfg.engine_kind;
@@ -412,6 +416,7 @@ impl Answer {
             Api::Completion => "cmpl",
             Api::Generate => "gen",
             Api::Responses => "resp",
+            Api::Messages => "msg",
         };
         Answer {
             api,
@@ -515,7 +520,27 @@ impl Answer {
                 "usage": self.responses_usage(),
                 "mock": self.mock,
             }),
+            Api::Messages => json!({
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "end_turn",
+                "usage": self.messages_usage(),
+                "mock": self.mock,
+            }),
         }
+    }
+
+    /// `usage` as the Messages API names it.
+    fn messages_usage(&self) -> Value {
+        let cached = self.served.cached_tokens;
+        json!({
+            "input_tokens": self.served.prompt_tokens.saturating_sub(cached),
+            "cache_read_input_tokens": cached,
+            "output_tokens": self.tokens,
+        })
     }
 
     /// `usage` as the Responses API names it.
@@ -576,6 +601,21 @@ impl Answer {
                 });
                 if last {
                     event["usage"] = self.responses_usage();
+                }
+                return event;
+            }
+            // The Messages API's text delta events; the last one also
+            // carries `usage` (the real stream sends it in `message_delta`).
+            Api::Messages => {
+                let mut event = json!({
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": self.pieces(range.clone())},
+                    "rank": self.rank,
+                    "mock": self.mock,
+                });
+                if last {
+                    event["usage"] = self.messages_usage();
                 }
                 return event;
             }
@@ -825,6 +865,7 @@ mod tests {
         assert_eq!(route("POST", "/generate"), Route::Llm(Api::Generate));
         assert_eq!(route("POST", "/v1/responses"), Route::Llm(Api::Responses));
         assert_eq!(route("GET", "/v1/responses"), Route::MethodNotAllowed);
+        assert_eq!(route("POST", "/v1/messages"), Route::Llm(Api::Messages));
         assert_eq!(route("GET", "/generate"), Route::MethodNotAllowed);
         assert_eq!(route("POST", "/nope"), Route::NotFound);
         assert_eq!(route("GET", "/mock/stats"), Route::Stats);

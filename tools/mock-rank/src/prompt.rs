@@ -15,6 +15,10 @@
 //!   string as a `user` message, or each item as a message whose role is its
 //!   `role` (else its `type`) and whose text is its content (as in chat), or a
 //!   function call's `name` and `arguments`, or a call output's `output`.
+//! - `/v1/messages` (Anthropic): `system` (a string, or its blocks' `text`) as
+//!   a `system` message, then `messages` as in chat, where a `tool_use` block
+//!   adds its `name` and its `input` as JSON, and a `tool_result` block the
+//!   text of its `content`.
 //! - anything else, or missing fields: the empty prompt.
 //!
 //! Blocks are `4 * block_tokens` bytes of text, or `block_tokens` ids. Only
@@ -113,6 +117,7 @@ fn canonical(path: &str, body: &Value) -> Canonical {
     match path {
         "/v1/chat/completions" => Canonical::Text(chat_text(body)),
         "/v1/responses" => Canonical::Text(responses_text(body)),
+        "/v1/messages" => Canonical::Text(messages_text(body)),
         "/v1/completions" => body.get("prompt").map_or(empty(), text_or_ids),
         "/generate" => match (body.get("text"), body.get("input_ids")) {
             (Some(text), _) => text_or_ids(text),
@@ -157,6 +162,43 @@ fn responses_text(body: &Value) -> Vec<u8> {
         _ => {}
     }
     text
+}
+
+/// The Messages API's prompt: the system text, then the messages, tool
+/// calls and results read as their text.
+fn messages_text(body: &Value) -> Vec<u8> {
+    let mut text = Vec::new();
+    if let Some(system) = body.get("system") {
+        push_message(&mut text, "system", &[Some(system)]);
+    }
+    let messages = body.get("messages").and_then(Value::as_array);
+    for message in messages.into_iter().flatten() {
+        let role = message.get("role").and_then(Value::as_str).unwrap_or("");
+        let content = match message.get("content") {
+            Some(Value::Array(blocks)) => Value::Array(blocks.iter().map(block_text).collect()),
+            other => other.cloned().unwrap_or(Value::Null),
+        };
+        push_message(&mut text, role, &[Some(&content)]);
+    }
+    text
+}
+
+/// A content block as a text part: tool calls and results by their text.
+fn block_text(block: &Value) -> Value {
+    let text = match block.get("type").and_then(Value::as_str) {
+        Some("tool_use") => {
+            let name = block.get("name").and_then(Value::as_str).unwrap_or("");
+            let input = block.get("input").map(Value::to_string).unwrap_or_default();
+            format!("{name}{input}")
+        }
+        Some("tool_result") => {
+            let mut out = Vec::new();
+            push_message(&mut out, "", &[block.get("content")]);
+            String::from_utf8_lossy(&out).into_owned()
+        }
+        _ => return block.clone(),
+    };
+    serde_json::json!({ "type": "text", "text": text })
 }
 
 /// `role`, a newline, the text of each of `contents` (a string, or a list of
