@@ -445,8 +445,13 @@ fn read_part<'a>(s: &mut Scanner<'a>) -> Result<Part<'a>, ScanError> {
             let name = member_name(s)?;
             let at = s.i;
             let kind = s.peek();
-            s.skip_value()?;
-            let string = (kind == Some(b'"')).then(|| bytes(s.b, (at + 1, s.i - 1)));
+            let string = match kind {
+                Some(b'"') => Some(bytes(s.b, string_span(s)?)),
+                _ => {
+                    s.skip_value()?;
+                    None
+                }
+            };
             match &*name {
                 b"type" => part.kind = string,
                 b"text" => part.text = string,
@@ -518,7 +523,9 @@ impl SplitPrompt {
                 let at = s.i;
                 let kind = s.peek();
                 s.skip_value()?;
-                self.lead_at = matches!(kind, Some(b'"' | b'[')).then_some(at);
+                // A list of text blocks is Messages' form only; Responses takes a string.
+                let read = kind == Some(b'"') || (kind == Some(b'[') && api == Api::Messages);
+                self.lead_at = read.then_some(at);
                 self.bad_lead = self.lead_at.is_none() && kind != Some(b'n');
                 self.rewalk |= self.list_at.is_some();
             }
@@ -1088,6 +1095,8 @@ mod tests {
             r#""conversation":{"id":"conv_1"}"#,
             r#""instructions":7"#,
             r#""instructions":["x"]"#,
+            r#""instructions":[{"role":"developer","content":"be terse"}]"#,
+            r#""instructions":[]"#,
         ] {
             for body in [
                 format!("{{{input},{extra}}}"),

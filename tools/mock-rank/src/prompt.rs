@@ -15,8 +15,8 @@
 //!   string as a `user` message, or each item as a message whose role is its
 //!   `role` (else its `type`) and whose text is its content (as in chat), or a
 //!   function call's `name` and `arguments`, or a call output's `output`.
-//! - `/v1/messages` (Anthropic): `system` (a string, or its blocks' `text`) as
-//!   a `system` message, then `messages` as in chat, where a `tool_use` block
+//! - `/v1/messages` (Anthropic): `system` (a string, or its blocks' `text`,
+//!   less Claude Code's `x-anthropic-billing-header` block) as a `system` message, then `messages` as in chat, where a `tool_use` block
 //!   adds its `name` and its `input` as JSON, and a `tool_result` block the
 //!   text of its `content`.
 //! - anything else, or missing fields: the empty prompt.
@@ -169,7 +169,18 @@ fn responses_text(body: &Value) -> Vec<u8> {
 fn messages_text(body: &Value) -> Vec<u8> {
     let mut text = Vec::new();
     if let Some(system) = body.get("system") {
-        push_message(&mut text, "system", &[Some(system)]);
+        // Claude Code's per-request billing block, which vLLM drops from the prompt.
+        let billing = |b: &Value| {
+            let text = b.get("text").and_then(Value::as_str).unwrap_or("");
+            text.starts_with("x-anthropic-billing-header")
+        };
+        let system = match system {
+            Value::Array(blocks) => {
+                Value::Array(blocks.iter().filter(|b| !billing(b)).cloned().collect())
+            }
+            other => other.clone(),
+        };
+        push_message(&mut text, "system", &[Some(&system)]);
     }
     let messages = body.get("messages").and_then(Value::as_array);
     for message in messages.into_iter().flatten() {
@@ -320,6 +331,27 @@ mod tests {
         assert_eq!(
             canonical("/v1/responses", &text_input),
             Canonical::Text(b"user\nhi\n".to_vec())
+        );
+    }
+
+    #[test]
+    fn messages_canonical_form() {
+        let body = json!({"system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; n=7;"},
+                {"type": "text", "text": "be brief"},
+            ], "messages": [
+            {"role": "user", "content": "run it"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t", "name": "bash", "input": {"cmd": "ls"}},
+            ]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "a b"}]},
+        ]});
+        assert_eq!(
+            canonical("/v1/messages", &body),
+            Canonical::Text(
+                b"system\nbe brief\nuser\nrun it\nassistant\nbash{\"cmd\":\"ls\"}\nuser\n\na b\n\n"
+                    .to_vec()
+            )
         );
     }
 
