@@ -491,15 +491,20 @@ const RESPONSES_MEMBERS: [&[u8]; 4] = [
 ///
 /// The first list is walked where it stands; a later list, or a lead after it, is only located,
 /// and the last list is walked again once at the end: at most two walks whatever the number of
-/// duplicate members. A Responses request continuing server-side state (`previous_response_id` or
-/// `conversation` not null, or an `item_reference` item) has no usable prompt: its body holds
-/// only the newest items, not the prefix the engine will compute, so reading it would place the
-/// turn by a fragment.
+/// duplicate members. A lead after the list, as an alphabetical serialiser orders a Responses
+/// body, thus costs a second walk: the chain starts with the lead, so nothing hashed before it
+/// is kept.
+///
+/// A Responses request continuing server-side state (`previous_response_id` or `conversation`
+/// not null, or an `item_reference` item) has no usable prompt: its body holds only the newest
+/// items, not the prefix the engine will compute, so reading it would place the turn by a
+/// fragment.
 #[derive(Default)]
 struct SplitPrompt {
-    /// Where the last lead value starts, when it is a string or a list.
+    /// Where the last lead value starts, when it has a shape the API takes (a string; for
+    /// Messages also a list of blocks).
     lead_at: Option<usize>,
-    /// The last lead is neither a string, a list nor null.
+    /// The last lead has another shape, and is not null.
     bad_lead: bool,
     /// Where the last list value starts.
     list_at: Option<usize>,
@@ -603,20 +608,14 @@ fn walk_system_block(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<()
     Ok(())
 }
 
-/// A whole message of the canonical stream: `role`, `"`, `text`, `"`.
-#[inline(never)]
-fn feed_message(c: &mut ChainBuilder<'_>, role: &[u8], text: &[u8]) {
-    for piece in [role, &[SEP], text, &[SEP]] {
-        c.feed(piece);
-    }
-}
-
 /// `input`: a string (one user message) or an array of items.
 fn walk_input(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     match s.peek() {
         Some(b'"') => {
             let span = string_span(s)?;
-            feed_message(c, b"user", bytes(s.b, span));
+            c.feed(b"user\"");
+            c.feed(bytes(s.b, span));
+            c.feed(&[SEP]);
             c.mark_opening();
             Ok(())
         }
@@ -883,22 +882,7 @@ mod tests {
                         out.extend(text(r)?);
                     }
                     out.push(SEP);
-                    match m.get("content") {
-                        None | Some(Json::Null) => {}
-                        Some(Json::String(s)) => out.extend(s.as_bytes()),
-                        Some(Json::Array(parts)) => {
-                            for p in parts {
-                                let p = p.as_object()?;
-                                let kind = p.get("type").and_then(Json::as_str).unwrap_or("");
-                                if is_text_part(kind.as_bytes()) {
-                                    if let Some(t) = p.get("text").and_then(Json::as_str) {
-                                        out.extend(t.as_bytes());
-                                    }
-                                }
-                            }
-                        }
-                        Some(_) => return None,
-                    }
+                    content_reference(m.get("content"), &mut out)?;
                     out.push(SEP);
                 }
                 Some((Domain::Chat, out))
