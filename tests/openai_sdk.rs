@@ -1,4 +1,5 @@
-//! The OpenAI Python SDK as the client: chat completions and completions, streamed and not,
+//! The OpenAI Python SDK as the client: chat completions and completions, streamed and not, and
+//! the Responses API without a key,
 //! through a real Envoy with the real filter in front of mock ranks. The SDK's own arguments
 //! carry the routing (`prompt_cache_key=`, `user=`, `extra_headers=` for an explicit rank), so
 //! these are the requests applications send, serialised by the SDK, unchanged.
@@ -158,6 +159,64 @@ fn sdk_conversations_stick_to_their_rank() {
     for counter in ["no_key", "body_malformed", "explicit"] {
         assert_eq!(moved(counter), 0, "{counter}: {report}");
     }
+}
+
+/// The Responses API through the SDK, with no routing key and the shipped defaults: each
+/// conversation resends its items and the answers' output items as the SDK returned them, and
+/// the prompt alone keeps it on its rank turn after turn, the conversations spread.
+#[test]
+fn sdk_responses_conversations_keep_their_rank_without_a_key() {
+    const CONVERSATIONS: usize = 8;
+    let stack = Stack::start(
+        "openai_sdk_responses",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let instructions = "You are the support agent of a bookshop. Be brief and exact. ".repeat(32);
+    let plan: Vec<Value> = (0..TURNS)
+        .flat_map(|t| {
+            let instructions = instructions.clone();
+            // A different order every turn: a placement that ignores the prompt cannot keep
+            // them on their ranks by cycling through the ranks in step with them.
+            (0..CONVERSATIONS).map(move |i| {
+                let c = (i * 3 + t) % CONVERSATIONS;
+                let name = format!("responses-{c}");
+                let mut step = turn(&name, "responses", false, t, json!({}));
+                let repeat = if t == 0 { 64 } else { 8 };
+                step["say"] =
+                    json!(format!("Customer {c}, question {t}: order {c}-{t}? ").repeat(repeat));
+                step["instructions"] = json!(instructions);
+                step
+            })
+        })
+        .collect();
+    let reports = sdk(&stack, &plan);
+    let mut ranks: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (step, report) in plan.iter().zip(&reports) {
+        let rank = served(report);
+        let text = report["text"].as_str().unwrap_or_default();
+        assert!(
+            text.starts_with(&format!("Hello from DP rank {rank}")),
+            "{}: answer {text:?} from rank {rank}",
+            report["label"]
+        );
+        let name = step["conversation"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        ranks.entry(name).or_default().push(rank);
+    }
+    let firsts: std::collections::BTreeSet<u32> = ranks.values().map(|r| r[0]).collect();
+    println!("Responses API through the SDK: {ranks:?}");
+    for (name, served) in &ranks {
+        assert_eq!(served.len(), TURNS, "{name}");
+        assert!(
+            served.iter().all(|r| *r == served[0]),
+            "{name}: the conversation moved between ranks: {served:?}"
+        );
+    }
+    assert!(firsts.len() >= 2, "conversations not spread: {firsts:?}");
+    let counters = stack.settled();
+    assert!(counters.get("prefix_hit") >= (CONVERSATIONS * (TURNS - 1)) as u64);
 }
 
 #[test]

@@ -5,8 +5,9 @@ line per call with what the SDK got back: the `x-dp-rank` response header, the r
 rank reports in the body (`mock.rank` of the completion, or of every streamed chunk) and the
 answer's text. The test, not this script, decides what is right.
 
-Each call is one turn of a named conversation: the script keeps every conversation's history, as
-a chat application does (the previous turns and answers are sent again), and passes the routing
+Each call is one turn of a named conversation (`api`: chat, completions or responses): the script
+keeps every conversation's history, as a chat application does (the previous turns and answers
+are sent again), and passes the routing
 fields as the SDK's own arguments (`prompt_cache_key=`, `user=`, `extra_headers=`), so the
 requests are the SDK's unchanged serialisation.
 
@@ -67,6 +68,7 @@ class Conversation:
     def __init__(self):
         self.messages = []  # chat
         self.prompt = ""  # completions: the transcript so far
+        self.items = []  # responses: the input items so far, answers as the SDK returned them
 
     def chat_request(self, say):
         self.messages.append({"role": "user", "content": say})
@@ -90,9 +92,32 @@ def text_of(api, choice, streamed):
     return part.content or ""
 
 
+def call_responses(sdk, step, conversation, kwargs):
+    """One turn on the Responses API, as the OpenAI Agents SDK sends it without server-side
+    state: every earlier item again, the answer's output items as the SDK parsed them
+    (`model_dump(exclude_unset=True)`, ids and status included), the instructions each time."""
+    conversation.items.append({"role": "user", "content": step["say"]})
+    if "instructions" in step:
+        kwargs["instructions"] = step["instructions"]
+    raw = sdk.responses.with_raw_response.create(
+        model="mock", input=list(conversation.items), max_output_tokens=8, **kwargs
+    )
+    parsed = raw.parse()
+    conversation.items.extend(item.model_dump(exclude_unset=True) for item in parsed.output)
+    return {
+        "label": step["label"],
+        "status": raw.status_code,
+        "header_rank": raw.headers.get("x-dp-rank"),
+        "body_ranks": [mock_rank(parsed)],
+        "text": parsed.output_text,
+    }
+
+
 def call(sdk, step, conversation):
     api = step["api"]
     stream = bool(step.get("stream", False))
+    if api == "responses":
+        return call_responses(sdk, step, conversation, dict(step.get("kwargs", {})))
     if api == "chat":
         resource, body = sdk.chat.completions, conversation.chat_request(step["say"])
     elif api == "completions":
