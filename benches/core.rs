@@ -507,6 +507,31 @@ const PARAGRAPH: &str = concat!(
 
 /// A chat-completions body of about `size` bytes: model, several long messages, sampling
 /// parameters, and `routing_key` as the LAST member so the scanner must walk the whole body.
+/// The chat body of `size` as an Anthropic Messages body: its system message as `system`,
+/// after the messages and before them.
+fn messages_bodies(size: usize) -> [(&'static str, Vec<u8>); 2] {
+    let chat: serde_json::Value = serde_json::from_slice(&chat_body(size)).expect("chat body");
+    let mut messages = chat["messages"].as_array().cloned().unwrap_or_default();
+    let system = messages.remove(0)["content"].clone();
+    let messages = serde_json::Value::Array(messages);
+    let model = &chat["model"];
+    [
+        (
+            "last",
+            format!(
+                r#"{{"model":{model},"max_tokens":512,"messages":{messages},"system":{system}}}"#
+            ),
+        ),
+        (
+            "first",
+            format!(
+                r#"{{"model":{model},"system":{system},"max_tokens":512,"messages":{messages}}}"#
+            ),
+        ),
+    ]
+    .map(|(order, body)| (order, body.into_bytes()))
+}
+
 fn chat_body(size: usize) -> Vec<u8> {
     let tail = r#"],"temperature":0.7,"max_tokens":512,"stream":false,"routing_key":"conv-0123456789abcdef"}"#;
     let mut body = String::from(r#"{"model":"meta-llama/Llama-3.1-70B-Instruct","messages":["#);
@@ -687,6 +712,21 @@ fn prefix_hashing_rows(b: Budget) -> Vec<Row> {
                         .into(),
             });
         }
+    }
+    // The Messages API with its system text last (as alphabetical serialisers write it: the walk
+    // is recorded and replayed after it) and first (walked as it stands).
+    for (order, body) in messages_bodies(64 << 10) {
+        let len = body.len();
+        let chain = prompt_chain(&body, Api::Messages, &pcfg, &hasher).expect("walks");
+        rows.push(Row {
+            name: format!("prefix::prompt_chain, 64 KiB Messages body, system {order}"),
+            sample: measure(b, |_| {
+                let c = prompt_chain(black_box(&body), Api::Messages, &pcfg, &hasher);
+                black_box(c.map(|c| c.len()).ok());
+            }),
+            goal: Goal::Mbps(len),
+            note: format!("{len} B; blocks of 512 B hashed: {}", chain.len()),
+        });
     }
     let body = ids_body(64 << 10);
     let len = body.len();

@@ -162,6 +162,33 @@ pub(crate) struct ChainBuilder<'h> {
     hashes: Vec<u64>,
     /// Set by [`mark_opening`](Self::mark_opening), once.
     opening: Option<Opening>,
+    /// While set, what is fed is recorded instead of hashed (see [`Recording`]).
+    recording: Option<Recording>,
+}
+
+/// What a walk fed, kept to be fed again after a prefix found later in the body: a Responses or
+/// Messages body whose lead (the system text the chain starts with) comes after its list, as
+/// alphabetical serialisers write them. Replaying costs the hashing only, not a second walk of
+/// the JSON. Bounded: nothing is recorded past what `max_blocks` blocks can hold.
+#[derive(Debug, Default)]
+pub(crate) struct Recording {
+    /// The body the walk reads, by address: a fed slice inside it is kept as a span.
+    base: usize,
+    len: usize,
+    pieces: Vec<Piece>,
+    bytes: usize,
+    cap: usize,
+    opened: bool,
+    unusable: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Piece {
+    /// A span of the body.
+    Body(usize, usize),
+    /// A few bytes from elsewhere (the walk's separators and labels).
+    Small([u8; 8], usize),
+    Opening,
 }
 
 impl<'h> ChainBuilder<'h> {
@@ -181,6 +208,7 @@ impl<'h> ChainBuilder<'h> {
             prev: 0,
             hashes: Vec::new(),
             opening: None,
+            recording: None,
         }
     }
 
@@ -190,6 +218,7 @@ impl<'h> ChainBuilder<'h> {
         self.unusable = false;
         self.hashes.clear();
         self.opening = None;
+        self.recording = None;
     }
 
     /// [`reset`](Self::reset), for a call that walks the prompt member next.
@@ -203,6 +232,13 @@ impl<'h> ChainBuilder<'h> {
     /// current block with its partial stripe zero-padded, and how many bytes of it there are
     /// (which the padding alone would not tell).
     pub(crate) fn mark_opening(&mut self) {
+        if let Some(r) = self.recording.as_mut() {
+            if !r.opened && r.bytes < r.cap {
+                r.opened = true;
+                r.pieces.push(Piece::Opening);
+            }
+            return;
+        }
         if self.opening.is_some() || !self.active() {
             return;
         }
@@ -235,13 +271,76 @@ impl<'h> ChainBuilder<'h> {
     /// Whether more input can still change the chain.
     #[inline]
     pub(crate) fn active(&self) -> bool {
-        self.domain.is_some() && !self.unusable && self.hashes.len() < self.max_blocks
+        self.domain.is_some()
+            && !self.unusable
+            && self.hashes.len() < self.max_blocks
+            && self.recording.as_ref().is_none_or(|r| r.bytes < r.cap)
+    }
+
+    /// From now on, records what is fed from `body` (and the opening) instead of hashing it,
+    /// until [`take_recording`](Self::take_recording).
+    pub(crate) fn record(&mut self, body: &[u8]) {
+        self.recording = Some(Recording {
+            base: body.as_ptr() as usize,
+            len: body.len(),
+            cap: self.max_blocks.saturating_mul(self.block_len),
+            ..Recording::default()
+        });
+    }
+
+    /// Stops recording; the recording (with whether the walk found the prompt unusable).
+    pub(crate) fn take_recording(&mut self) -> Option<Recording> {
+        let mut r = self.recording.take()?;
+        r.unusable = self.unusable;
+        Some(r)
+    }
+
+    /// Feeds a recording again (of a walk over `body`), as the walk fed it.
+    pub(crate) fn replay(&mut self, body: &[u8], r: &Recording) {
+        if r.unusable {
+            self.unusable();
+        }
+        for piece in &r.pieces {
+            match *piece {
+                Piece::Body(at, len) => self.feed(body.get(at..at + len).unwrap_or_default()),
+                Piece::Small(bytes, len) => self.feed(bytes.get(..len).unwrap_or_default()),
+                Piece::Opening => self.mark_opening(),
+            }
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_piece(&mut self, data: &[u8]) {
+        let Some(r) = self.recording.as_mut() else {
+            return;
+        };
+        let at = (data.as_ptr() as usize).wrapping_sub(r.base);
+        let data = data.get(..r.cap.saturating_sub(r.bytes)).unwrap_or(data);
+        if data.is_empty() {
+            return;
+        }
+        r.bytes += data.len();
+        if at <= r.len && data.len() <= r.len - at {
+            r.pieces.push(Piece::Body(at, data.len()));
+            return;
+        }
+        for chunk in data.chunks(8) {
+            let mut small = [0u8; 8];
+            if let Some(dst) = small.get_mut(..chunk.len()) {
+                dst.copy_from_slice(chunk);
+            }
+            r.pieces.push(Piece::Small(small, chunk.len()));
+        }
     }
 
     /// Appends bytes to the canonical stream.
     pub(crate) fn feed(&mut self, mut data: &[u8]) {
         #[cfg(test)]
         tests::FED.with(|f| f.set(f.get() + data.len()));
+        if self.recording.is_some() {
+            return self.record_piece(data);
+        }
         while !data.is_empty() && self.active() {
             let room = self.block_len.saturating_sub(self.filled).max(1);
             let (now, rest) = data.split_at(room.min(data.len()));
@@ -257,6 +356,7 @@ impl<'h> ChainBuilder<'h> {
     /// Appends one token id (as its 4 little-endian bytes).
     #[inline(always)]
     pub(crate) fn push_u32(&mut self, id: u32) {
+        debug_assert!(self.recording.is_none(), "token ids are never recorded");
         // Token blocks are a multiple of 4 bytes, so a token never straddles a stripe or a block.
         let fits = self.active() && self.block_len.saturating_sub(self.filled) >= 4;
         let at = self.ncarry;
@@ -387,6 +487,44 @@ pub(crate) mod tests {
         b.begin(domain);
         b.feed(stream);
         b.finish(model.map(str::as_bytes)).hashes
+    }
+
+    /// A walk recorded and replayed after a prefix fed later gives the chain (and opening) of
+    /// the prefix fed first: body spans, bytes from elsewhere longer than a small piece, the
+    /// opening, and the cap (nothing past `max_blocks` blocks is kept).
+    #[test]
+    fn a_recorded_walk_replays_after_a_later_prefix() {
+        let body = b"0123456789abcdefghijklmnopqrstuvwxyz".repeat(4);
+        let label = *b"a label longer than eight bytes";
+        let walk = |b: &mut ChainBuilder<'_>| {
+            b.feed(body.get(3..40).unwrap_or_default());
+            b.feed(&label);
+            b.mark_opening();
+            b.feed(body.get(40..).unwrap_or_default());
+        };
+        for max_blocks in [64, 5] {
+            let c = cfg(16, 4, max_blocks);
+            let h = hasher();
+            let mut direct = ChainBuilder::new(&h, &c);
+            direct.begin(Domain::Chat);
+            direct.feed(b"system\"lead\"");
+            walk(&mut direct);
+            let want = direct.finish(Some(b"m"));
+
+            let mut recorded = ChainBuilder::new(&h, &c);
+            recorded.begin(Domain::Chat);
+            recorded.record(&body);
+            walk(&mut recorded);
+            assert!(recorded.hashes.is_empty(), "recording hashes nothing");
+            let recording = recorded.take_recording().expect("recording");
+            recorded.restart().begin(Domain::Chat);
+            recorded.feed(b"system\"lead\"");
+            recorded.replay(&body, &recording);
+            let got = recorded.finish(Some(b"m"));
+            assert_eq!(got.hashes(), want.hashes(), "max_blocks {max_blocks}");
+            assert_eq!(got.opening(), want.opening(), "max_blocks {max_blocks}");
+            assert_eq!(got.capped(), want.capped());
+        }
     }
 
     pub(crate) fn ids(v: &[u32]) -> Vec<u8> {

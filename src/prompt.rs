@@ -489,11 +489,12 @@ const RESPONSES_MEMBERS: [&[u8]; 4] = [
 /// it returns are ignored, so an item reads the same whether the client sends it back whole or
 /// rebuilt. Messages `messages`: as chat's, with Anthropic's content blocks (`walk_part`).
 ///
-/// The first list is walked where it stands; a later list, or a lead after it, is only located,
-/// and the last list is walked again once at the end: at most two walks whatever the number of
-/// duplicate members. A lead after the list, as an alphabetical serialiser orders a Responses
-/// body, thus costs a second walk: the chain starts with the lead, so nothing hashed before it
-/// is kept.
+/// The first list is walked where it stands. Before any lead (as alphabetical serialisers
+/// order both APIs' bodies: `input` before `instructions`, `messages` before `system`) the walk is
+/// recorded, not hashed, and replayed after the lead at the end: the chain starts with the lead,
+/// and replaying costs the hashing only, not a second walk of the JSON. A later list, or another
+/// lead after a list already walked with one, is only located, and the last list is walked again
+/// once at the end: at most two walks whatever the number of duplicate members.
 ///
 /// A Responses request continuing server-side state (`previous_response_id` or `conversation`
 /// not null, or an `item_reference` item) has no usable prompt: its body holds only the newest
@@ -508,6 +509,8 @@ struct SplitPrompt {
     bad_lead: bool,
     /// Where the last list value starts.
     list_at: Option<usize>,
+    /// The first list came before any lead: its walk was recorded, to be replayed after the lead.
+    recorded: bool,
     /// The walk of the first list is not the prompt: walk the last one again at the end.
     rewalk: bool,
     /// The last `previous_response_id` and the last `conversation` are not null.
@@ -532,7 +535,7 @@ impl SplitPrompt {
                 let read = kind == Some(b'"') || (kind == Some(b'[') && api == Api::Messages);
                 self.lead_at = read.then_some(at);
                 self.bad_lead = self.lead_at.is_none() && kind != Some(b'n');
-                self.rewalk |= self.list_at.is_some();
+                self.rewalk |= self.list_at.is_some() && !self.recorded;
             }
             b"previous_response_id" | b"conversation" => {
                 // A value starting with `n` that the scanner accepts is `null`.
@@ -543,6 +546,7 @@ impl SplitPrompt {
                 let first = self.list_at.is_none();
                 self.list_at = Some(s.i);
                 if first {
+                    self.recorded = self.lead_at.is_none() && !self.bad_lead;
                     self.walk(api, s, c)?;
                 } else {
                     self.rewalk = true;
@@ -553,7 +557,8 @@ impl SplitPrompt {
         Ok(())
     }
 
-    /// The whole prompt from the list at the cursor: the lead first.
+    /// The whole prompt from the list at the cursor: the lead first (recorded, not hashed, when
+    /// no lead is known yet: see `finish`).
     fn walk(
         &self,
         api: Api,
@@ -562,20 +567,33 @@ impl SplitPrompt {
     ) -> Result<(), ScanError> {
         let c = c.restart();
         c.begin(Domain::Chat);
-        if let Some(at) = self.lead_at {
-            c.feed(b"system\"");
-            walk_lead(&mut Scanner { b: s.b, i: at }, c)?;
-            c.feed(&[SEP]);
+        if self.recorded && !self.rewalk {
+            c.record(s.b);
         }
+        self.feed_lead(s.b, c)?;
         match api {
             Api::Messages => walk_message_list(s, c),
             _ => walk_input(s, c),
         }
     }
 
+    fn feed_lead(&self, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        if let Some(at) = self.lead_at {
+            c.feed(b"system\"");
+            walk_lead(&mut Scanner { b: body, i: at }, c)?;
+            c.feed(&[SEP]);
+        }
+        Ok(())
+    }
+
     fn finish(&self, api: Api, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
         if let (true, Some(at)) = (self.rewalk, self.list_at) {
             self.walk(api, &mut Scanner { b: body, i: at }, c)?;
+        } else if let Some(recording) = c.take_recording() {
+            let c = c.restart();
+            c.begin(Domain::Chat);
+            self.feed_lead(body, c)?;
+            c.replay(body, &recording);
         }
         if self.continues.contains(&true) || self.bad_lead {
             c.unusable();
