@@ -169,25 +169,40 @@ pub(crate) struct ChainBuilder<'h> {
 /// What a walk fed, kept to be fed again after a prefix found later in the body: a Responses or
 /// Messages body whose lead (the system text the chain starts with) comes after its list, as
 /// alphabetical serialisers write them. Replaying costs the hashing only, not a second walk of
-/// the JSON. Bounded: nothing is recorded past what `max_blocks` blocks can hold.
+/// the JSON. Bounded: nothing is recorded past what `max_blocks` blocks can hold, and a walk
+/// that would need more than `MAX_PIECES` pieces (a body of many tiny items) is given up
+/// (`overflowed`: the caller walks the JSON again instead), so a recording holds at most a few
+/// tens of KiB whatever the body. While recording, the walk is gated by the list's own bytes
+/// (the lead's length is not known yet): content a lead-first walk would have stopped before, past
+/// `max_blocks`, is still read, and a malformed one there makes the prompt unusable.
 #[derive(Debug, Default)]
 pub(crate) struct Recording {
     /// The body the walk reads, by address: a fed slice inside it is kept as a span.
     base: usize,
     len: usize,
     pieces: Vec<Piece>,
+    /// The bytes fed from elsewhere (the walk's separators and labels), in order.
+    extra: Vec<u8>,
     bytes: usize,
     cap: usize,
     opened: bool,
     unusable: bool,
+    /// More pieces were needed than `MAX_PIECES`: nothing after that was kept.
+    pub(crate) overflowed: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+/// Pieces a recording may hold (spans next to each other in the body, and bytes fed from
+/// elsewhere one after the other, are merged into one).
+const MAX_PIECES: usize = 4096;
+/// Bytes fed from elsewhere than the body a recording may hold (two separators a message).
+const MAX_EXTRA: usize = 16 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Piece {
-    /// A span of the body.
+    /// A span of the body: start, length.
     Body(usize, usize),
-    /// A few bytes from elsewhere (the walk's separators and labels).
-    Small([u8; 8], usize),
+    /// A span of `Recording::extra`: start, length.
+    Extra(usize, usize),
     Opening,
 }
 
@@ -233,9 +248,13 @@ impl<'h> ChainBuilder<'h> {
     /// (which the padding alone would not tell).
     pub(crate) fn mark_opening(&mut self) {
         if let Some(r) = self.recording.as_mut() {
-            if !r.opened && r.bytes < r.cap {
+            if !r.opened && r.bytes < r.cap && !r.overflowed {
                 r.opened = true;
-                r.pieces.push(Piece::Opening);
+                if r.pieces.len() == MAX_PIECES {
+                    r.overflowed = true;
+                } else {
+                    r.pieces.push(Piece::Opening);
+                }
             }
             return;
         }
@@ -303,7 +322,7 @@ impl<'h> ChainBuilder<'h> {
         for piece in &r.pieces {
             match *piece {
                 Piece::Body(at, len) => self.feed(body.get(at..at + len).unwrap_or_default()),
-                Piece::Small(bytes, len) => self.feed(bytes.get(..len).unwrap_or_default()),
+                Piece::Extra(at, len) => self.feed(r.extra.get(at..at + len).unwrap_or_default()),
                 Piece::Opening => self.mark_opening(),
             }
         }
@@ -317,20 +336,36 @@ impl<'h> ChainBuilder<'h> {
         };
         let at = (data.as_ptr() as usize).wrapping_sub(r.base);
         let data = data.get(..r.cap.saturating_sub(r.bytes)).unwrap_or(data);
-        if data.is_empty() {
+        if data.is_empty() || r.overflowed {
             return;
         }
         r.bytes += data.len();
-        if at <= r.len && data.len() <= r.len - at {
-            r.pieces.push(Piece::Body(at, data.len()));
-            return;
-        }
-        for chunk in data.chunks(8) {
-            let mut small = [0u8; 8];
-            if let Some(dst) = small.get_mut(..chunk.len()) {
-                dst.copy_from_slice(chunk);
+        let in_body = at <= r.len && data.len() <= r.len - at;
+        let piece = match (r.pieces.last_mut(), in_body) {
+            (Some(Piece::Body(start, len)), true) if *start + *len == at => {
+                *len += data.len();
+                None
             }
-            r.pieces.push(Piece::Small(small, chunk.len()));
+            (Some(Piece::Extra(_, len)), false) => {
+                *len += data.len();
+                None
+            }
+            (_, true) => Some(Piece::Body(at, data.len())),
+            (_, false) => Some(Piece::Extra(r.extra.len(), data.len())),
+        };
+        if !in_body {
+            if r.extra.len() + data.len() > MAX_EXTRA {
+                r.overflowed = true;
+                return;
+            }
+            r.extra.extend_from_slice(data);
+        }
+        if let Some(piece) = piece {
+            if r.pieces.len() == MAX_PIECES {
+                r.overflowed = true;
+                return;
+            }
+            r.pieces.push(piece);
         }
     }
 
@@ -525,6 +560,54 @@ pub(crate) mod tests {
             assert_eq!(got.opening(), want.opening(), "max_blocks {max_blocks}");
             assert_eq!(got.capped(), want.capped());
         }
+    }
+
+    /// A recording merges what lies next to each other, and gives up (rather than grow) past
+    /// its bounds: many tiny pieces, or many bytes from elsewhere than the body.
+    #[test]
+    fn a_recording_stays_small() {
+        let c = cfg(16, 4, 100_000);
+        let h = hasher();
+        let body = vec![b'x'; 16 * 1024];
+        let record = |walk: &dyn Fn(&mut ChainBuilder<'_>)| {
+            let mut b = ChainBuilder::new(&h, &c);
+            b.begin(Domain::Chat);
+            b.record(&body);
+            walk(&mut b);
+            b.take_recording().expect("recording")
+        };
+        // Contiguous spans of the body, and separators one after the other: two pieces.
+        let r = record(&|b| {
+            for at in (0..body.len()).step_by(64) {
+                b.feed(body.get(at..at + 64).unwrap_or_default());
+            }
+            b.feed(b"\"");
+            b.feed(b"\"");
+        });
+        assert_eq!((r.pieces.len(), r.extra.len(), r.overflowed), (2, 2, false));
+        // Alternating body bytes and separators: given up at MAX_PIECES pieces.
+        let r = record(&|b| {
+            for at in 0..body.len() {
+                b.feed(body.get(at..at + 1).unwrap_or_default());
+                b.feed(b"\"");
+            }
+        });
+        assert!(
+            r.overflowed && r.pieces.len() == MAX_PIECES,
+            "{}",
+            r.pieces.len()
+        );
+        // Many bytes from elsewhere: given up at MAX_EXTRA.
+        let r = record(&|b| {
+            for _ in 0..MAX_EXTRA {
+                b.feed(b"\"\"");
+            }
+        });
+        assert!(
+            r.overflowed && r.extra.len() <= MAX_EXTRA,
+            "{}",
+            r.extra.len()
+        );
     }
 
     pub(crate) fn ids(v: &[u32]) -> Vec<u8> {

@@ -547,7 +547,7 @@ impl SplitPrompt {
                 self.list_at = Some(s.i);
                 if first {
                     self.recorded = self.lead_at.is_none() && !self.bad_lead;
-                    self.walk(api, s, c)?;
+                    self.walk(api, s, c, self.recorded)?;
                 } else {
                     self.rewalk = true;
                     s.skip_value()?;
@@ -557,17 +557,18 @@ impl SplitPrompt {
         Ok(())
     }
 
-    /// The whole prompt from the list at the cursor: the lead first (recorded, not hashed, when
-    /// no lead is known yet: see `finish`).
+    /// The whole prompt from the list at the cursor: the lead first; with `record`, the walk is
+    /// recorded, not hashed, to be replayed after a lead found later (see `finish`).
     fn walk(
         &self,
         api: Api,
         s: &mut Scanner<'_>,
         c: &mut ChainBuilder<'_>,
+        record: bool,
     ) -> Result<(), ScanError> {
         let c = c.restart();
         c.begin(Domain::Chat);
-        if self.recorded && !self.rewalk {
+        if record {
             c.record(s.b);
         }
         self.feed_lead(s.b, c)?;
@@ -587,13 +588,18 @@ impl SplitPrompt {
     }
 
     fn finish(&self, api: Api, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-        if let (true, Some(at)) = (self.rewalk, self.list_at) {
-            self.walk(api, &mut Scanner { b: body, i: at }, c)?;
-        } else if let Some(recording) = c.take_recording() {
-            let c = c.restart();
-            c.begin(Domain::Chat);
-            self.feed_lead(body, c)?;
-            c.replay(body, &recording);
+        match (c.take_recording(), self.list_at) {
+            (Some(recording), _) if !self.rewalk && !recording.overflowed => {
+                let c = c.restart();
+                c.begin(Domain::Chat);
+                self.feed_lead(body, c)?;
+                c.replay(body, &recording);
+            }
+            // A later list, a lead after a list walked with another, or a recording given up.
+            (recording, Some(at)) if self.rewalk || recording.is_some() => {
+                self.walk(api, &mut Scanner { b: body, i: at }, c, false)?;
+            }
+            _ => {}
         }
         if self.continues.contains(&true) || self.bad_lead {
             c.unusable();
@@ -1233,6 +1239,19 @@ mod tests {
         let once = format!(r#"{{"system":"{instructions}",{list}}}"#);
         assert_eq!(got, chain(&once, Api::Messages, &c));
         assert!(fed <= 2 * (instructions.len() + 64), "fed {fed} bytes");
+    }
+
+    /// A list too fragmented to record (its walk is given up and done again after the lead)
+    /// gives the chain of the lead-first body all the same.
+    #[test]
+    fn a_list_too_fragmented_to_record_is_walked_again() {
+        let c = cfg(16, 4, 100_000);
+        let items = vec![r#"{"role":"user","content":"a"}"#; 5000].join(",");
+        let late = format!(r#"{{"input":[{items}],"instructions":"be brief"}}"#);
+        let early = format!(r#"{{"instructions":"be brief","input":[{items}]}}"#);
+        let want = chain(&early, Api::Responses, &c);
+        assert!(want.len() > 1000, "{}", want.len());
+        assert_eq!(chain(&late, Api::Responses, &c), want);
     }
 
     #[test]
