@@ -187,8 +187,20 @@ pub(crate) struct Recording {
     cap: usize,
     opened: bool,
     unusable: bool,
-    /// More pieces were needed than `MAX_PIECES`: nothing after that was kept.
+    /// More was needed than `MAX_PIECES` pieces or `MAX_EXTRA` bytes: nothing after that was
+    /// kept.
     pub(crate) overflowed: bool,
+}
+
+impl Recording {
+    /// Appends a piece, or gives the recording up when it holds `MAX_PIECES` already.
+    fn push(&mut self, piece: Piece) {
+        if self.pieces.len() == MAX_PIECES {
+            self.overflowed = true;
+        } else {
+            self.pieces.push(piece);
+        }
+    }
 }
 
 /// Pieces a recording may hold (spans next to each other in the body, and bytes fed from
@@ -250,11 +262,7 @@ impl<'h> ChainBuilder<'h> {
         if let Some(r) = self.recording.as_mut() {
             if !r.opened && r.bytes < r.cap && !r.overflowed {
                 r.opened = true;
-                if r.pieces.len() == MAX_PIECES {
-                    r.overflowed = true;
-                } else {
-                    r.pieces.push(Piece::Opening);
-                }
+                r.push(Piece::Opening);
             }
             return;
         }
@@ -361,11 +369,7 @@ impl<'h> ChainBuilder<'h> {
             r.extra.extend_from_slice(data);
         }
         if let Some(piece) = piece {
-            if r.pieces.len() == MAX_PIECES {
-                r.overflowed = true;
-                return;
-            }
-            r.pieces.push(piece);
+            r.push(piece);
         }
     }
 

@@ -396,14 +396,17 @@ fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanE
 /// `content` (a string, or the text parts of a list, read one level deep only).
 fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     let part = read_part(s)?;
-    match (part.kind, part.text) {
-        (Some(kind), Some(text)) if is_text_part(kind) => c.feed(text),
-        (Some(b"tool_use"), _) => {
+    if let Some(text) = part.prompt_text() {
+        c.feed(text);
+        return Ok(());
+    }
+    match part.kind {
+        Some(b"tool_use") => {
             c.feed(part.name.unwrap_or_default());
             c.feed(&[SEP]);
             c.feed(part.input.unwrap_or_default());
         }
-        (Some(b"tool_result"), _) => match part.content_at {
+        Some(b"tool_result") => match part.content_at {
             Some(at) if s.b.get(at) == Some(&b'[') => {
                 each_object(&mut Scanner { b: s.b, i: at }, c, walk_text_part)?;
             }
@@ -417,10 +420,8 @@ fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
 
 /// A part of a tool result's content: its `text` if it is a text part, nothing else.
 fn walk_text_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-    let part = read_part(s)?;
-    match (part.kind, part.text) {
-        (Some(kind), Some(text)) if is_text_part(kind) => c.feed(text),
-        _ => {}
+    if let Some(text) = read_part(s)?.prompt_text() {
+        c.feed(text);
     }
     Ok(())
 }
@@ -436,6 +437,16 @@ struct Part<'a> {
     input: Option<&'a [u8]>,
     /// Where a string or list `content` starts (a tool result's).
     content_at: Option<usize>,
+}
+
+impl<'a> Part<'a> {
+    /// The `text` of a text part.
+    fn prompt_text(&self) -> Option<&'a [u8]> {
+        match (self.kind, self.text) {
+            (Some(kind), Some(text)) if is_text_part(kind) => Some(text),
+            _ => None,
+        }
+    }
 }
 
 fn read_part<'a>(s: &mut Scanner<'a>) -> Result<Part<'a>, ScanError> {
@@ -622,12 +633,9 @@ fn walk_lead(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
 const BILLING_BLOCK: &[u8] = b"x-anthropic-billing-header";
 
 fn walk_system_block(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-    let part = read_part(s)?;
-    match (part.kind, part.text) {
-        (Some(kind), Some(text)) if is_text_part(kind) && !text.starts_with(BILLING_BLOCK) => {
-            c.feed(text);
-        }
-        _ => {}
+    let text = read_part(s)?.prompt_text();
+    if let Some(text) = text.filter(|t| !t.starts_with(BILLING_BLOCK)) {
+        c.feed(text);
     }
     Ok(())
 }
