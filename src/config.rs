@@ -487,6 +487,18 @@ fn fields(
     allowed: &[&str],
     mut f: impl FnMut(&str, &str, &Value) -> Result<(), ConfigError>,
 ) -> Result<(), ConfigError> {
+    each_field(path, v, allowed, &mut f)
+}
+
+/// `fields` compiled once: every section's walk goes through this one copy (cold code, kept out of
+/// the .wasm's size), only the per-section closures differ.
+#[inline(never)]
+fn each_field(
+    path: &str,
+    v: &Value,
+    allowed: &[&str],
+    f: &mut dyn FnMut(&str, &str, &Value) -> Result<(), ConfigError>,
+) -> Result<(), ConfigError> {
     let here = if path.is_empty() {
         "configuration"
     } else {
@@ -518,6 +530,7 @@ fn fields(
     Ok(())
 }
 
+#[inline(never)]
 fn type_of(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -531,6 +544,7 @@ fn type_of(v: &Value) -> &'static str {
 
 /// A short description of a bad value: integers as themselves, everything else by type (no float
 /// formatting code is linked into the .wasm for an error message).
+#[inline(never)]
 fn show(v: &Value) -> String {
     match v.as_i64() {
         Some(n) => n.to_string(),
@@ -539,6 +553,10 @@ fn show(v: &Value) -> String {
     }
 }
 
+// The value readers below are called from every section's reader; left to the optimiser (the
+// crate is built at opt-level 3 for the request path) each call site got its own inlined copy, and
+// the configuration readers were the largest code in the .wasm. Cold code: one copy each.
+#[inline(never)]
 fn as_u32(path: &str, v: &Value) -> Result<u32, ConfigError> {
     v.as_u64()
         .and_then(|n| u32::try_from(n).ok())
@@ -550,12 +568,14 @@ fn as_u32(path: &str, v: &Value) -> Result<u32, ConfigError> {
         })
 }
 
+#[inline(never)]
 fn as_f64(path: &str, v: &Value) -> Result<f64, ConfigError> {
     v.as_f64()
         .filter(|x| x.is_finite())
         .ok_or_else(|| err(path, format!("expected a number, got {}", type_of(v))))
 }
 
+#[inline(never)]
 fn as_usize(path: &str, v: &Value) -> Result<usize, ConfigError> {
     v.as_u64()
         .and_then(|n| usize::try_from(n).ok())
@@ -567,17 +587,20 @@ fn as_usize(path: &str, v: &Value) -> Result<usize, ConfigError> {
         })
 }
 
+#[inline(never)]
 fn as_bool(path: &str, v: &Value) -> Result<bool, ConfigError> {
     v.as_bool()
         .ok_or_else(|| err(path, format!("expected true or false, got {}", type_of(v))))
 }
 
+#[inline(never)]
 fn as_string(path: &str, v: &Value) -> Result<String, ConfigError> {
     v.as_str()
         .map(str::to_string)
         .ok_or_else(|| err(path, format!("expected a string, got {}", type_of(v))))
 }
 
+#[inline(never)]
 fn as_string_list(path: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
     let Value::Array(items) = v else {
         return Err(err(
@@ -734,6 +757,7 @@ pub struct LearnConfig {
     pub upstream_addresses: HashMap<String, u32>,
 }
 
+#[inline(never)]
 fn err(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.to_string(),
