@@ -150,9 +150,10 @@ pub fn plan(
                 .then_some(Counter::Assigned);
             // An overruled pin stays where it is: it serves the key's other conversations, and
             // a key every request of an application sends would otherwise be rewritten by
-            // nearly every request. A held pin whose conversation is not known yet learns it.
+            // nearly every request. A held pin whose conversation is not known yet learns it
+            // (or its name past a shared prefix, when the pin knows only one past nothing).
             let write_pin = if held {
-                key.tag == 0 && tag.tag != 0
+                tag.tag != 0 && (key.tag == 0 || (key.depth == 0 && tag.depth != 0))
             } else {
                 !overruled
             };
@@ -197,18 +198,22 @@ pub struct Tag {
 
 /// The tag of the conversation a request's prompt belongs to, as the key table stores it beside
 /// a pin (1..=15, from the prompt's anchor, with the depth of the shared prefix it was taken
-/// past), or 0 when that is not known. Known only for a prompt that goes on past a prefix the
-/// index knows to be shared (a branched match), with an anchor every later turn keeps (the chat's
-/// opening, or a position the chain goes past): past nothing at all, the first prompt behind a
-/// system prompt would be named by that prompt, which its next turns, once others have shared
-/// it, are not; past an unbranched match the prompt is the conversation's own history, or a
-/// prefix one other prompt went past; and a name taken at the chain's last block changes with
-/// the next turn (a block-id trace's turns that replace their last partial block mark their own
-/// ends branched, and would read as another conversation every other turn).
+/// past), or 0 when that is not known. Known for a prompt with an anchor every later turn keeps
+/// (the chat's opening, or a position the chain goes past) that goes on past a prefix the index
+/// knows to be shared (a branched match), or of which the index knows nothing at all (depth 0:
+/// chats without a system prompt, which share nothing). Past an unbranched match the prompt is
+/// the conversation's own history, or a prefix one other prompt went past; and a name taken at
+/// the chain's last block changes with the next turn (a block-id trace's turns that replace
+/// their last partial block mark their own ends branched, and would read as another
+/// conversation every other turn). A name taken past nothing is weaker: the first prompt behind
+/// a system prompt is named inside that prompt, which its next turns, once others have shared
+/// it, are not; so it is compared only with names taken past nothing (see [`pin_overruled`]),
+/// and a pin holding one learns the first deeper name of a request it keeps.
 fn conversation_tag(facts: &Facts) -> Tag {
     match (facts.anchor, facts.matched.as_ref()) {
         (Some(anchor), Some(m))
-            if m.branched && facts.chain_blocks > m.blocks && facts.anchor_stable =>
+            if facts.anchor_stable
+                && (m.blocks == 0 || (m.branched && facts.chain_blocks > m.blocks)) =>
         {
             Tag {
                 tag: 1 + (anchor % u64::from(table::MAX_TAG)) as u8,
@@ -234,9 +239,9 @@ fn conversation_tag(facts: &Facts) -> Tag {
 /// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
 ///   [`conversation_tag`]) differs from the one stored with the pin, taken past a shared prefix
 ///   of the same depth or matched on another rank than the pin's: another conversation wrote
-///   the pin. Either tag unknown (0), or taken at another depth on the pin's own rank: the pin
-///   decides. So a conversation whose first turn had nothing of its own keeps its pin, on every
-///   replica.
+///   the pin. Either tag unknown (0), taken at another depth on the pin's own rank, or one of
+///   them taken past nothing and the other past a shared prefix: the pin decides. So a
+///   conversation whose first turn had nothing of its own keeps its pin, on every replica.
 ///
 /// Without a chain (prefix placement off, no prompt) the pin decides.
 fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: Tag) -> bool {
@@ -251,8 +256,12 @@ fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: Tag) -> bool {
     }
     // Past a shared prefix of another depth, a name is only compared when the match is not on
     // the pin's rank: a conversation whose turns replace their last block marks its own ends
-    // branched, on its own rank, and is named past each at a new depth.
-    let comparable = key.depth == tag.depth || m.rank != Some(pin);
+    // branched, on its own rank, and is named past each at a new depth. A name taken past
+    // nothing is compared only with another taken past nothing: a conversation's first prompt
+    // is named inside a system prompt not yet known to be shared, and a prompt the index has
+    // forgotten (its entries evicted, its key's pin not) is named past nothing.
+    let comparable =
+        key.depth == tag.depth || (key.depth != 0 && tag.depth != 0 && m.rank != Some(pin));
     key.tag != 0 && tag.tag != 0 && comparable && key.tag != tag.tag
 }
 
@@ -1350,6 +1359,13 @@ mod tests {
                 depth: 4,
             })
         };
+        // Pins whose tag was taken past nothing (no prefix of the prompt was indexed).
+        let unshared = |pinned, tag| {
+            Some(KeyFacts {
+                depth: 0,
+                ..pin(pinned, tag).unwrap()
+            })
+        };
         use Counter::*;
         // (what, key, match, chain blocks, target, counters)
         let rows = [
@@ -1459,6 +1475,42 @@ mod tests {
                 [Some(AffinityHit), None, None],
             ),
             (
+                "nothing indexed at all, a pin another conversation wrote past nothing (no \
+                 shared prefix anywhere): the prompt's home",
+                unshared(Some(other), tag + 1),
+                Some(Match::default()),
+                20,
+                pinned_to(prompt_home, false),
+                [Some(KeyOverruled), None, None],
+            ),
+            (
+                "nothing indexed at all, its own conversation's pin written past nothing: the \
+                 pin decides",
+                unshared(Some(other), tag),
+                Some(Match::default()),
+                20,
+                pinned_to(other, false),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "a pin named past nothing, a prompt past a shared prefix (its first turn came \
+                 before the prefix was known to be shared): the pin decides and learns this name",
+                unshared(Some(other), tag + 1),
+                Some(shared(4, third)),
+                20,
+                pinned_to(other, true),
+                [Some(AffinityHit), None, None],
+            ),
+            (
+                "a pin named past nothing, the same name past a shared prefix: the pin decides \
+                 and learns the deeper name",
+                unshared(Some(other), tag),
+                Some(shared(4, other)),
+                20,
+                pinned_to(other, true),
+                [Some(AffinityHit), None, None],
+            ),
+            (
                 "a key seen first goes to the key's home whatever its prompt, pinned with its tag",
                 pin(None, 0),
                 Some(shared(4, third)),
@@ -1467,7 +1519,10 @@ mod tests {
                 [Some(AffinityMiss), Some(Assigned), None],
             ),
         ];
-        let known = Tag { tag, depth: 4 };
+        let known = |m: Option<Match>| Tag {
+            tag,
+            depth: m.map_or(0, |m| m.blocks as u16),
+        };
         for (what, key, m, chain_blocks, target, counters) in rows {
             let facts = Facts {
                 key,
@@ -1484,7 +1539,7 @@ mod tests {
                 write_pin: true, ..
             } = p.target
             {
-                assert_eq!(p.pin_tag, known, "{what}");
+                assert_eq!(p.pin_tag, known(m), "{what}");
             }
             // An anchor the next turn does not keep (the chain's last block) names no
             // conversation: the same request then leaves the pin alone.
@@ -1498,7 +1553,9 @@ mod tests {
                 Some(&idle),
                 chain_blocks as u32,
             );
-            if key.is_some_and(|k| k.pinned.is_some()) && m.is_some_and(|m| m.branched) {
+            if key.is_some_and(|k| k.pinned.is_some())
+                && m.is_some_and(|m| m.branched || m.blocks == 0)
+            {
                 assert_eq!(
                     unstable.target,
                     pinned_to(key.and_then(|k| k.pinned).unwrap(), false),
@@ -1550,7 +1607,7 @@ mod tests {
             matches!(p.target, Target::Pinned { rank, write_pin: true, .. } if rank != other),
             "{p:?}"
         );
-        assert_eq!(p.pin_tag, known);
+        assert_eq!(p.pin_tag, Tag { tag, depth: 4 });
     }
 
     #[test]

@@ -518,6 +518,45 @@ fn messages_api_agent_loops_keep_their_rank_and_spread() {
     assert_kept_and_spread("Messages API agent loops", &homes, &moved);
 }
 
+/// Sends `CONVERSATIONS` conversations of `TURNS` turns, a turn of each in turn, keyed by
+/// `key_of(conversation)` in OpenAI's `user`: each opens with `system` when given, and its first
+/// question is `first_bytes` long (about; later ones ~450 B). Returns the rank of every turn.
+fn keyed_conversations(
+    stack: &Stack,
+    who: &str,
+    system: Option<&str>,
+    first_bytes: usize,
+    key_of: &dyn Fn(usize) -> String,
+) -> Vec<Vec<u32>> {
+    const TURNS: usize = 3;
+    let opening: Vec<Value> = system
+        .map(|s| json!({ "role": "system", "content": s }))
+        .into_iter()
+        .collect();
+    let mut histories = vec![opening; CONVERSATIONS_UNDER_ONE_KEY];
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS_UNDER_ONE_KEY];
+    for turn in 0..TURNS {
+        for (c, history) in histories.iter_mut().enumerate() {
+            let question = format!("{who} {c}, question {turn}: trains to {c}? ");
+            let repeat = if turn == 0 {
+                first_bytes.div_ceil(question.len())
+            } else {
+                10
+            };
+            history.push(json!({ "role": "user", "content": question.repeat(repeat) }));
+            let request = Request::post("/v1/chat/completions").json(&json!({
+                "model": "mock", "user": key_of(c), "messages": history,
+            }));
+            ranks[c].push(served_rank(&stack.send(&request)));
+            let answer = format!("Train {c}-{turn} leaves at nine. ").repeat(8);
+            history.push(json!({ "role": "assistant", "content": answer }));
+        }
+    }
+    ranks
+}
+
+const CONVERSATIONS_UNDER_ONE_KEY: usize = 16;
+
 /// Many conversations under one key (OpenAI's `user`, an end user's id, sent in the body): the
 /// key's pin would pull every new conversation onto one rank, and move the older ones off their
 /// history whenever it moved. The prompt overrules it: each conversation keeps its rank turn
@@ -525,34 +564,16 @@ fn messages_api_agent_loops_keep_their_rank_and_spread() {
 /// conversations with a key of their own each: their pins decide, `key_overruled` stays put.
 #[test]
 fn conversations_sharing_one_key_keep_their_rank_and_spread() {
-    const CONVERSATIONS: usize = 16;
-    const TURNS: usize = 3;
+    const CONVERSATIONS: usize = CONVERSATIONS_UNDER_ONE_KEY;
     let stack = Stack::start(
         "prefix_shared_key",
         StackOptions::new(support::requests::default_config(json!({}))),
     );
     let system = "You are the assistant of a travel agency. Be precise and brief. ".repeat(32);
-    let conversations = |who: &str, key_of: &dyn Fn(usize) -> String| {
-        let mut histories: Vec<Vec<Value>> =
-            vec![vec![json!({ "role": "system", "content": system })]; CONVERSATIONS];
-        let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
-        for turn in 0..TURNS {
-            for (c, history) in histories.iter_mut().enumerate() {
-                // 6 KiB of its own in the first turn: more than `prefix.home_blocks` blocks.
-                let repeat = if turn == 0 { 160 } else { 10 };
-                let question = format!("{who} {c}, question {turn}: trains to {c}? ");
-                history.push(json!({ "role": "user", "content": question.repeat(repeat) }));
-                let request = Request::post("/v1/chat/completions").json(&json!({
-                    "model": "mock", "user": key_of(c), "messages": history,
-                }));
-                ranks[c].push(served_rank(&stack.send(&request)));
-                let answer = format!("Train {c}-{turn} leaves at nine. ").repeat(8);
-                history.push(json!({ "role": "assistant", "content": answer }));
-            }
-        }
-        ranks
-    };
-    let ranks = conversations("Traveller", &|_| "one-user-for-everything".to_string());
+    // 6 KiB of its own in the first turn: more than `prefix.home_blocks` blocks.
+    let ranks = keyed_conversations(&stack, "Traveller", Some(&system), 6 * 1024, &|_| {
+        "one-user-for-everything".to_string()
+    });
     let (homes, moved) = homes_and_moves(&ranks);
     println!(
         "{CONVERSATIONS} conversations under one key: first turns per rank {homes:?}, {} moved",
@@ -570,7 +591,9 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
         CONVERSATIONS - 2
     );
 
-    let ranks = conversations("Passenger", &|c| format!("conversation-{c}"));
+    let ranks = keyed_conversations(&stack, "Passenger", Some(&system), 6 * 1024, &|c| {
+        format!("conversation-{c}")
+    });
     let (homes, moved) = homes_and_moves(&ranks);
     println!(
         "{CONVERSATIONS} conversations, a key each: first turns per rank {homes:?}, {} moved",
@@ -581,8 +604,42 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
     own.assert_eq("key_overruled", overruled);
     own.assert_eq(
         "affinity_hit",
-        shared.get("affinity_hit") + (CONVERSATIONS * (TURNS - 1)) as u64,
+        shared.get("affinity_hit") + (CONVERSATIONS * 2) as u64,
     );
+}
+
+/// The same without a system prompt (ShareGPT-like chats, which share no prefix at all): no
+/// prefix is known to be shared, so each conversation is named by its opening; first questions
+/// of 6 KiB (indexed at once) and of 100 bytes (nothing indexed until the second turn, so the
+/// second turn is told from another conversation by its name alone). On the build before names
+/// were taken past nothing, every conversation followed the key's pin.
+#[test]
+fn conversations_sharing_one_key_without_a_system_prompt_keep_their_rank_and_spread() {
+    const CONVERSATIONS: usize = CONVERSATIONS_UNDER_ONE_KEY;
+    let stack = Stack::start(
+        "prefix_shared_key_no_system",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    for (who, first_bytes) in [("Traveller", 6 * 1024), ("Commuter", 100)] {
+        let before = stack.settled().get("key_overruled");
+        let key = format!("{who}-the-only-user");
+        let ranks = keyed_conversations(&stack, who, None, first_bytes, &|_| key.clone());
+        let (homes, moved) = homes_and_moves(&ranks);
+        println!(
+            "{CONVERSATIONS} conversations under one key, no system prompt, first question \
+             {first_bytes} B: first turns per rank {homes:?}, {} moved",
+            moved.len()
+        );
+        assert_kept_and_spread(&format!("{who}s under one key"), &homes, &moved);
+        // All but the first (and the one in 15 whose name happens to equal its name) are
+        // overruled where their rank is not the pin's.
+        let overruled = stack.settled().get("key_overruled") - before;
+        assert!(
+            overruled >= (CONVERSATIONS - 2) as u64,
+            "{who}: key_overruled {overruled}, expected at least {}",
+            CONVERSATIONS - 2
+        );
+    }
 }
 
 /// Keyed conversations whose first turn has nothing of its own to index (a question shorter
