@@ -318,7 +318,11 @@ def configurations(suite, quick, trace):
         ]
     if suite in ("prefix", "all"):
         if trace:
-            out.append(cfg(f"4 ranks, {os.path.basename(trace)}", 4, PREFIX_ALL, prefix_goal, workload=trace))
+            # The shipped filter with the trace's own keys too, when it has them (a key per
+            # session, or one many sessions share: scripts/rekey-trace.py).
+            keyed = ["filter-shipped-keyed"] if trace_has_keys(trace) else []
+            out.append(cfg(f"4 ranks, {os.path.basename(trace)}", 4, PREFIX_ALL + keyed, prefix_goal,
+                           workload=trace))
         else:
             out += [
                 cfg("no routing key, 4 ranks", 4, PREFIX_ALL, prefix_goal),

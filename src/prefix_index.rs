@@ -162,18 +162,13 @@ pub enum AnchorAt {
 pub struct Anchor {
     pub hash: u64,
     pub at: AnchorAt,
-}
-
-impl Anchor {
-    /// Whether the next turns of a conversation whose prompt has `chain_len` blocks keep this
-    /// name: a chat's opening, or a position the chain goes past. Taken at the chain's last
-    /// block, it changes with the next turn, which extends or replaces that block.
-    pub fn kept_by_next_turns(&self, chain_len: usize) -> bool {
-        match self.at {
-            AnchorAt::Opening => true,
-            AnchorAt::Position(at) => at < chain_len,
-        }
-    }
+    /// Whether the conversation's next turns take the same name: a chat's opening, a position
+    /// the chain goes past, or the chain's last block when it is where the next turns name it
+    /// too (not a shorter chain's stand-in for a position it did not reach) and inside a chat's
+    /// opening, which every later turn resends unchanged. Otherwise a name taken at the last
+    /// block changes with the next turn, which extends or replaces that block (a block-id
+    /// trace's turns replace their last, partial block).
+    pub kept_by_next_turns: bool,
 }
 
 /// The tag of an entry recorded by a request anchored by its opening; a position is tagged
@@ -183,6 +178,7 @@ const TAG_OPENING: u8 = MAX_TAG;
 /// A request anchored by its opening.
 fn opened(o: Opening) -> Anchor {
     Anchor {
+        kept_by_next_turns: true,
         hash: o.hash,
         at: AnchorAt::Opening,
     }
@@ -477,6 +473,8 @@ impl PrefixIndex {
                 Some(Anchor {
                     hash,
                     at: AnchorAt::Position(at),
+                    kept_by_next_turns: at < chain.len()
+                        || (at == next && opening.is_some_and(|o| at <= o.blocks)),
                 })
             }
         }
@@ -874,12 +872,39 @@ mod tests {
     }
 
     #[test]
-    fn only_an_opening_or_a_position_the_chain_goes_past_is_kept_by_next_turns() {
-        let at = |at| Anchor { hash: 1, at };
-        assert!(at(AnchorAt::Opening).kept_by_next_turns(3));
-        assert!(at(AnchorAt::Position(6)).kept_by_next_turns(7));
-        assert!(!at(AnchorAt::Position(6)).kept_by_next_turns(6));
-        assert!(!at(AnchorAt::Position(6)).kept_by_next_turns(5));
+    fn only_an_opening_or_a_position_the_chain_goes_past_or_inside_the_opening_is_kept() {
+        let (idx, _, a, shared) = anchor_fixture();
+        let kept = |chain: &[u64], opening_blocks: Option<usize>, m: &Match| {
+            let opening = opening_blocks.map(|blocks| Opening { blocks, hash: 77 });
+            let anchor = idx.anchor(chain, opening, m).expect("an anchor");
+            (anchor.at, anchor.kept_by_next_turns)
+        };
+        // Past the shared 4 blocks the next grid position is 6.
+        assert_eq!(kept(&a[..7], None, &shared), (AnchorAt::Position(6), true));
+        assert_eq!(kept(&a[..6], None, &shared), (AnchorAt::Position(6), false));
+        // The chain's last block, inside a chat's opening: every later turn resends it.
+        assert_eq!(
+            kept(&a[..6], Some(6), &shared),
+            (AnchorAt::Position(6), true)
+        );
+        // A chain that stops short of the position stands in for it with its last block: the
+        // next, longer turn is named at the position (an opening that short names it instead).
+        assert_eq!(kept(&a[..5], None, &shared), (AnchorAt::Position(5), false));
+        assert_eq!(kept(&a[..5], Some(5), &shared), (AnchorAt::Opening, true));
+        // Past nothing the first block names the prompt, kept when the chain goes past it or
+        // it lies inside the opening.
+        let nothing = Match::default();
+        assert_eq!(
+            kept(&a[..1], None, &nothing),
+            (AnchorAt::Position(1), false)
+        );
+        assert_eq!(
+            kept(&a[..1], Some(1), &nothing),
+            (AnchorAt::Position(1), true)
+        );
+        assert_eq!(kept(&a[..2], None, &nothing), (AnchorAt::Position(1), true));
+        // An opening shorter than the position names the conversation itself.
+        assert_eq!(kept(&a[..1], Some(0), &nothing), (AnchorAt::Opening, true));
     }
 
     #[test]

@@ -610,9 +610,11 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
 
 /// The same without a system prompt (ShareGPT-like chats, which share no prefix at all): no
 /// prefix is known to be shared, so each conversation is named by its opening; first questions
-/// of 6 KiB (indexed at once) and of 100 bytes (nothing indexed until the second turn, so the
-/// second turn is told from another conversation by its name alone). On the build before names
-/// were taken past nothing, every conversation followed the key's pin.
+/// of 6 KiB (indexed at once), of 100 bytes (nothing indexed until the second turn, so the
+/// second turn is told from another conversation by its name alone) and of 700 bytes (one
+/// block, named by its last block, which lies inside the opening every later turn resends). On
+/// the build before names were taken past nothing, every conversation followed the key's pin;
+/// before a last block inside the opening counted as kept, the 700-byte ones did.
 #[test]
 fn conversations_sharing_one_key_without_a_system_prompt_keep_their_rank_and_spread() {
     const CONVERSATIONS: usize = CONVERSATIONS_UNDER_ONE_KEY;
@@ -620,7 +622,7 @@ fn conversations_sharing_one_key_without_a_system_prompt_keep_their_rank_and_spr
         "prefix_shared_key_no_system",
         StackOptions::new(support::requests::default_config(json!({}))),
     );
-    for (who, first_bytes) in [("Traveller", 6 * 1024), ("Commuter", 100)] {
+    for (who, first_bytes) in [("Traveller", 6 * 1024), ("Commuter", 100), ("Rider", 700)] {
         let before = stack.settled().get("key_overruled");
         let key = format!("{who}-the-only-user");
         let ranks = keyed_conversations(&stack, who, None, first_bytes, &|_| key.clone());

@@ -979,10 +979,10 @@ impl Filter {
             // its pin).
             anchor: self.prefix.as_ref().and_then(|p| p.anchor).map(|a| a.hash),
             chain_blocks: self.prefix.as_ref().map_or(0, |p| p.chain.len()),
-            anchor_stable: self.prefix.as_ref().is_some_and(|p| {
-                p.anchor
-                    .is_some_and(|a| a.kept_by_next_turns(p.chain.len()))
-            }),
+            anchor_stable: self
+                .prefix
+                .as_ref()
+                .is_some_and(|p| p.anchor.is_some_and(|a| a.kept_by_next_turns)),
             turn,
         };
         let blocks = self.prompt_blocks();
