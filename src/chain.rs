@@ -98,6 +98,10 @@ pub struct Chain {
     hashes: Vec<u64>,
     capped: bool,
     opening: Option<Opening>,
+    /// The prompt goes on past its opening: a list of messages, whose later turns resend the
+    /// opening unchanged (a first turn ends with it, as does a conversation folded into one
+    /// growing message, whose opening changes every turn: the two cannot be told apart).
+    past_opening: bool,
 }
 
 /// Where a chat's *opening* ends — everything up to and including its first user message — and a
@@ -137,6 +141,12 @@ impl Chain {
     pub fn opening(&self) -> Option<Opening> {
         self.opening
     }
+
+    /// Whether the prompt goes on past its opening (see [`Chain::opening`]): then its next turns
+    /// are known to resend the opening as it is.
+    pub fn past_opening(&self) -> bool {
+        self.past_opening
+    }
 }
 
 /// Streams the canonical prompt into block hashes.
@@ -162,6 +172,8 @@ pub(crate) struct ChainBuilder<'h> {
     hashes: Vec<u64>,
     /// Set by [`mark_opening`](Self::mark_opening), once.
     opening: Option<Opening>,
+    /// Bytes of the current block fed when the opening was marked (see `Chain::past_opening`).
+    opening_filled: usize,
     /// While set, what is fed is recorded instead of hashed (see [`Recording`]).
     recording: Option<Recording>,
 }
@@ -235,6 +247,7 @@ impl<'h> ChainBuilder<'h> {
             prev: 0,
             hashes: Vec::new(),
             opening: None,
+            opening_filled: 0,
             recording: None,
         }
     }
@@ -274,6 +287,7 @@ impl<'h> ChainBuilder<'h> {
             blocks: self.hashes.len(),
             hash: h,
         });
+        self.opening_filled = self.filled;
     }
 
     pub(crate) fn begin(&mut self, domain: Domain) {
@@ -479,6 +493,9 @@ impl<'h> ChainBuilder<'h> {
             *h = fmix64(*h ^ key);
         }
         let capped = self.hashes.len() >= self.max_blocks;
+        let past_opening = self
+            .opening
+            .is_some_and(|o| self.hashes.len() > o.blocks || self.filled != self.opening_filled);
         let opening = self.opening.map(|o| Opening {
             hash: fmix64(o.hash ^ key),
             ..o
@@ -487,6 +504,7 @@ impl<'h> ChainBuilder<'h> {
             hashes: self.hashes,
             capped,
             opening,
+            past_opening,
         }
     }
 }

@@ -13,7 +13,7 @@ use crate::assign::{
 };
 use crate::config::Config;
 use crate::metrics::Counter;
-use crate::prefix_index::Match;
+use crate::prefix_index::{Kept, Match};
 use crate::ranks::RankStates;
 use crate::table;
 
@@ -30,15 +30,19 @@ pub struct Facts {
     pub anchor: Option<u64>,
     /// The prompt's chain length in blocks (0: no chain).
     pub chain_blocks: usize,
-    /// The anchor names every later turn of the prompt's conversation too: the chat's opening,
-    /// or a position the chain goes past (not its last block, which the next turn extends).
-    pub anchor_stable: bool,
+    /// Whether the anchor names every later turn of the prompt's conversation too (see
+    /// `prefix_index::Kept`).
+    pub anchor_kept: Kept,
+    /// For a chat that goes on past its opening (`Chain::past_opening`), whose later turns are
+    /// known to resend it unchanged: the anchor its prompt gets past nothing (its opening's
+    /// name, the same on every turn). `None` otherwise.
+    pub opening_name: Option<u64>,
     /// Rotates least-in-flight ties and round robin (a per-VM counter).
     pub turn: u32,
 }
 
 /// A routing key's hash, the rank the affinity table pins it to, and the tag of the conversation
-/// that wrote the pin (0: not known) with the depth it was taken at (see `conversation_tag`).
+/// that wrote the pin (0: not known) with the depth it was taken at (see `conversation_tags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyFacts {
     pub hash: u64,
@@ -85,7 +89,7 @@ pub struct Plan {
     /// is when the request went home (see [`HomeBy`]).
     pub counters: [Option<Counter>; 3],
     /// The conversation tag and depth to store with the key's pin when it is written (see
-    /// [`conversation_tag`]).
+    /// [`conversation_tags`]).
     pub pin_tag: Tag,
 }
 
@@ -101,7 +105,7 @@ pub fn plan(
     states: Option<&RankStates>,
     blocks: u32,
 ) -> Plan {
-    let tag = conversation_tag(facts);
+    let (tag, sure) = conversation_tags(facts);
     let overruled = facts
         .key
         .is_some_and(|key| pin_overruled(key, facts.matched.as_ref(), tag));
@@ -153,7 +157,7 @@ pub fn plan(
             // nearly every request. A held pin whose conversation is not known yet learns it
             // (or its name past a shared prefix, when the pin knows only one past nothing).
             let write_pin = if held {
-                tag.tag != 0 && (key.tag == 0 || (key.depth == 0 && tag.depth != 0))
+                sure.tag != 0 && (key.tag == 0 || (key.depth == 0 && sure.depth != 0))
             } else {
                 !overruled
             };
@@ -176,12 +180,12 @@ pub fn plan(
         ),
     };
     // A pin that moves keeps the tag it had when this request knows none.
-    let keep = facts.key.filter(|k| tag.tag == 0 && k.pinned.is_some());
+    let keep = facts.key.filter(|k| sure.tag == 0 && k.pinned.is_some());
     Plan {
         target,
         prefix: p.prefix,
         counters,
-        pin_tag: keep.map_or(tag, |k| Tag {
+        pin_tag: keep.map_or(sure, |k| Tag {
             tag: k.tag,
             depth: k.depth,
         }),
@@ -189,38 +193,67 @@ pub fn plan(
 }
 
 /// A conversation's tag (1..=15; 0: not known) and the prefix depth, in blocks, it was taken
-/// past (see `conversation_tag`).
+/// past (see `conversation_tags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Tag {
     pub tag: u8,
     pub depth: u16,
 }
 
-/// The tag of the conversation a request's prompt belongs to, as the key table stores it beside
-/// a pin (1..=15, from the prompt's anchor, with the depth of the shared prefix it was taken
-/// past), or 0 when that is not known. Known for a prompt with an anchor every later turn keeps
-/// (the chat's opening, or a position the chain goes past) that goes on past a prefix the index
-/// knows to be shared (a branched match), or of which the index knows nothing at all (depth 0:
-/// chats without a system prompt, which share nothing). Past an unbranched match the prompt is
-/// the conversation's own history, or a prefix one other prompt went past; and a name taken at
-/// the chain's last block changes with the next turn (a block-id trace's turns that replace
-/// their last partial block mark their own ends branched, and would read as another
-/// conversation every other turn). A name taken past nothing is weaker: the first prompt behind
-/// a system prompt is named inside that prompt, which its next turns, once others have shared
-/// it, are not; so it is compared only with names taken past nothing (see [`pin_overruled`]),
-/// and a pin holding one learns the first deeper name of a request it keeps.
-fn conversation_tag(facts: &Facts) -> Tag {
-    match (facts.anchor, facts.matched.as_ref()) {
-        (Some(anchor), Some(m))
-            if facts.anchor_stable
-                && (m.blocks == 0 || (m.branched && facts.chain_blocks > m.blocks)) =>
-        {
-            Tag {
-                tag: 1 + (anchor % u64::from(table::MAX_TAG)) as u8,
-                depth: u16::try_from(m.blocks).unwrap_or(u16::MAX),
-            }
-        }
-        _ => Tag::default(),
+/// The tag of the conversation a request's prompt belongs to (1..=15, from the prompt's anchor,
+/// with the depth of the shared prefix it was taken past; 0 when not known), twice: as it is
+/// compared with the key's pin, and as a pin this request writes may store it (0 when the name
+/// is not sure to be its conversation's next turns' too).
+///
+/// Known for a prompt whose anchor its next turns keep (see `Kept`) that goes on past a prefix
+/// the index knows to be shared (a branched match), or of which the index knows nothing at all
+/// (depth 0: chats without a system prompt, which share nothing). Past an unbranched match the
+/// prompt is the conversation's own history, or a prefix one other prompt went past; a name
+/// taken at the chain's last block changes with the next turn (a block-id trace's turns that
+/// replace their last partial block mark their own ends branched, and would read as another
+/// conversation every other turn). A name taken past nothing is compared only with names taken
+/// past nothing (see [`pin_overruled`]): a conversation's first prompt is named inside a system
+/// prompt not yet known to be shared.
+///
+/// Stored: past a shared prefix, a chat's opening or a position the chain goes past, as it
+/// always was; a name taken past nothing, or at a last block inside the opening, only from a
+/// chat seen to resend its messages (one that goes on past its opening): a first turn that ends
+/// with its opening cannot tell a chat client from one that folds the conversation into one
+/// growing message (whose opening changes every turn), nor a completions prompt from a block-id
+/// trace's whose next turn replaces its first block. Such a name still overrules a pin that
+/// stores another.
+fn conversation_tags(facts: &Facts) -> (Tag, Tag) {
+    let (Some(anchor), Some(m)) = (facts.anchor, facts.matched.as_ref()) else {
+        return (Tag::default(), Tag::default());
+    };
+    // A turn of a conversation's own history: rule (a) of `pin_overruled` compares it, but a
+    // chat seen to resend its messages tells its pin its name past nothing, which is what a
+    // new conversation under the same key without a shared prefix is compared with.
+    if m.blocks > 0 && !m.branched {
+        return (
+            Tag::default(),
+            facts.opening_name.map_or(Tag::default(), unshared_tag),
+        );
+    }
+    let unshared = m.blocks == 0;
+    let known = facts.anchor_kept != Kept::No
+        && (unshared || (m.branched && facts.chain_blocks > m.blocks));
+    if !known {
+        return (Tag::default(), Tag::default());
+    }
+    let tag = Tag {
+        depth: u16::try_from(m.blocks).unwrap_or(u16::MAX),
+        ..unshared_tag(anchor)
+    };
+    let sure = facts.opening_name.is_some() || (!unshared && facts.anchor_kept == Kept::Yes);
+    (tag, if sure { tag } else { Tag::default() })
+}
+
+/// The tag of a conversation's name past nothing (see [`conversation_tags`]).
+fn unshared_tag(name: u64) -> Tag {
+    Tag {
+        tag: 1 + (name % u64::from(table::MAX_TAG)) as u8,
+        depth: 0,
     }
 }
 
@@ -237,7 +270,7 @@ fn conversation_tag(facts: &Facts) -> Tag {
 ///   holder, so a conversation moved off a full rank is not sent back). Ranks from 14 on have
 ///   no holder flag: there the pin decides;
 /// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
-///   [`conversation_tag`]) differs from the one stored with the pin, taken past a shared prefix
+///   [`conversation_tags`]) differs from the one stored with the pin, taken past a shared prefix
 ///   of the same depth or matched on another rank than the pin's: another conversation wrote
 ///   the pin. Either tag unknown (0), taken at another depth on the pin's own rank, or one of
 ///   them taken past nothing and the other past a shared prefix: the pin decides. So a
@@ -1105,7 +1138,8 @@ mod tests {
                 matched: r.matched,
                 anchor: r.anchor,
                 chain_blocks: 0,
-                anchor_stable: false,
+                anchor_kept: Kept::No,
+                opening_name: None,
                 turn: 0,
             };
             let p = plan(c, 0, &facts, r.states.as_ref(), 10);
@@ -1529,7 +1563,8 @@ mod tests {
                 matched: m,
                 anchor: Some(5),
                 chain_blocks,
-                anchor_stable: true,
+                anchor_kept: Kept::Yes,
+                opening_name: None,
                 turn: 0,
             };
             let p = plan(&c, 0, &facts, Some(&idle), chain_blocks as u32);
@@ -1547,7 +1582,8 @@ mod tests {
                 &c,
                 0,
                 &Facts {
-                    anchor_stable: false,
+                    anchor_kept: Kept::No,
+                    opening_name: None,
                     ..facts
                 },
                 Some(&idle),
@@ -1576,7 +1612,8 @@ mod tests {
             matched: Some(matched(40, 3)),
             anchor: Some(5),
             chain_blocks: 60,
-            anchor_stable: true,
+            anchor_kept: Kept::Yes,
+            opening_name: None,
             turn: 0,
         };
         let p = plan(&wide, 0, &facts, Some(&states(&[(0, 0); 16])), 60);
@@ -1591,6 +1628,104 @@ mod tests {
                 Some(AffinityHit)
             )
         );
+        // A name taken past nothing, or at a last block inside the opening, is stored only from
+        // a chat seen to resend its messages (one that went on past its opening): it overrules
+        // another conversation's pin either way.
+        let unshared_pin = |tag| {
+            Some(KeyFacts {
+                hash: 77,
+                pinned: Some(other),
+                tag,
+                depth: 0,
+            })
+        };
+        let inside = |key, m, past_opening: bool| Facts {
+            key,
+            matched: Some(m),
+            anchor: Some(5),
+            chain_blocks: 20,
+            anchor_kept: Kept::InsideOpening,
+            opening_name: past_opening.then_some(5),
+            turn: 0,
+        };
+        for past_opening in [false, true] {
+            let sure = |t: Tag| if past_opening { t } else { Tag::default() };
+            let first = plan(
+                &c,
+                0,
+                &inside(pin(None, 0), Match::default(), past_opening),
+                Some(&idle),
+                20,
+            );
+            assert_eq!(first.counters[0], Some(AffinityMiss));
+            assert_eq!(
+                first.pin_tag,
+                sure(Tag { tag, depth: 0 }),
+                "past opening {past_opening}"
+            );
+            let learns = plan(
+                &c,
+                0,
+                &inside(unshared_pin(0), Match::default(), past_opening),
+                Some(&idle),
+                20,
+            );
+            assert_eq!(
+                learns.target,
+                pinned_to(other, past_opening),
+                "past opening {past_opening}"
+            );
+            let deeper = plan(
+                &c,
+                0,
+                &inside(pin(Some(other), 0), shared(4, other), past_opening),
+                Some(&idle),
+                20,
+            );
+            assert_eq!(
+                deeper.target,
+                pinned_to(other, past_opening),
+                "past opening {past_opening}"
+            );
+            if past_opening {
+                assert_eq!(deeper.pin_tag, known(Some(shared(4, other))));
+            }
+            let another = plan(
+                &c,
+                0,
+                &inside(unshared_pin(tag + 1), Match::default(), past_opening),
+                Some(&idle),
+                20,
+            );
+            assert_eq!(
+                (another.target, another.counters[0]),
+                (pinned_to(prompt_home, false), Some(KeyOverruled)),
+                "past opening {past_opening}"
+            );
+        }
+        // A turn of its own history on a pin that knows no name teaches it the conversation's
+        // name past nothing, when it is a chat seen to resend its messages.
+        for (pin_tag, name, learns) in [(0, Some(9), true), (0, None, false), (tag, Some(9), false)]
+        {
+            let own = Facts {
+                key: unshared_pin(pin_tag),
+                matched: Some(matched(40, other)),
+                anchor: Some(5),
+                chain_blocks: 60,
+                anchor_kept: Kept::Yes,
+                opening_name: name,
+                turn: 0,
+            };
+            let p = plan(&c, 0, &own, Some(&idle), 60);
+            assert_eq!(
+                p.target,
+                pinned_to(other, learns),
+                "pin tag {pin_tag}, name {name:?}"
+            );
+            if learns {
+                assert_eq!(p.pin_tag, unshared_tag(9));
+            }
+        }
         // A pin that moves (its rank cooling down) keeps its tag when the request knows none.
         let mut down = states(&[(0, 0); 4]);
         down.ranks[other as usize].down_until = 99;
@@ -1599,7 +1734,8 @@ mod tests {
             matched: Some(matched(40, other)),
             anchor: Some(5),
             chain_blocks: 60,
-            anchor_stable: true,
+            anchor_kept: Kept::Yes,
+            opening_name: None,
             turn: 0,
         };
         let p = plan(&c, 0, &moving, Some(&down), 60);

@@ -162,13 +162,24 @@ pub enum AnchorAt {
 pub struct Anchor {
     pub hash: u64,
     pub at: AnchorAt,
-    /// Whether the conversation's next turns take the same name: a chat's opening, a position
-    /// the chain goes past, or the chain's last block when it is where the next turns name it
-    /// too (not a shorter chain's stand-in for a position it did not reach) and inside a chat's
-    /// opening, which every later turn resends unchanged. Otherwise a name taken at the last
-    /// block changes with the next turn, which extends or replaces that block (a block-id
-    /// trace's turns replace their last, partial block).
-    pub kept_by_next_turns: bool,
+    /// Whether the conversation's next turns take the same name.
+    pub kept: Kept,
+}
+
+/// Whether a conversation's next turns name it as this one does (see [`PrefixIndex::anchor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kept {
+    #[default]
+    /// Taken at the chain's last block (or a shorter chain's stand-in for a position it did not
+    /// reach): the next turn extends or replaces that block (a block-id trace's turns replace
+    /// their last, partial block).
+    No,
+    /// The chain's last block, where the next turns name it too, inside a chat's opening: kept
+    /// when the client resends its messages, as chat clients do, but not when it folds the
+    /// conversation into one growing message, whose opening changes every turn.
+    InsideOpening,
+    /// A chat's opening, or a position the chain goes past.
+    Yes,
 }
 
 /// The tag of an entry recorded by a request anchored by its opening; a position is tagged
@@ -178,7 +189,7 @@ const TAG_OPENING: u8 = MAX_TAG;
 /// A request anchored by its opening.
 fn opened(o: Opening) -> Anchor {
     Anchor {
-        kept_by_next_turns: true,
+        kept: Kept::Yes,
         hash: o.hash,
         at: AnchorAt::Opening,
     }
@@ -473,8 +484,13 @@ impl PrefixIndex {
                 Some(Anchor {
                     hash,
                     at: AnchorAt::Position(at),
-                    kept_by_next_turns: at < chain.len()
-                        || (at == next && opening.is_some_and(|o| at <= o.blocks)),
+                    kept: if at < chain.len() {
+                        Kept::Yes
+                    } else if at == next && opening.is_some_and(|o| at <= o.blocks) {
+                        Kept::InsideOpening
+                    } else {
+                        Kept::No
+                    },
                 })
             }
         }
@@ -877,34 +893,37 @@ mod tests {
         let kept = |chain: &[u64], opening_blocks: Option<usize>, m: &Match| {
             let opening = opening_blocks.map(|blocks| Opening { blocks, hash: 77 });
             let anchor = idx.anchor(chain, opening, m).expect("an anchor");
-            (anchor.at, anchor.kept_by_next_turns)
+            (anchor.at, anchor.kept)
         };
+        let at = AnchorAt::Position;
         // Past the shared 4 blocks the next grid position is 6.
-        assert_eq!(kept(&a[..7], None, &shared), (AnchorAt::Position(6), true));
-        assert_eq!(kept(&a[..6], None, &shared), (AnchorAt::Position(6), false));
-        // The chain's last block, inside a chat's opening: every later turn resends it.
+        assert_eq!(kept(&a[..7], None, &shared), (at(6), Kept::Yes));
+        assert_eq!(kept(&a[..6], None, &shared), (at(6), Kept::No));
+        // The chain's last block inside a chat's opening: kept if the client resends it.
         assert_eq!(
             kept(&a[..6], Some(6), &shared),
-            (AnchorAt::Position(6), true)
+            (at(6), Kept::InsideOpening)
         );
         // A chain that stops short of the position stands in for it with its last block: the
         // next, longer turn is named at the position (an opening that short names it instead).
-        assert_eq!(kept(&a[..5], None, &shared), (AnchorAt::Position(5), false));
-        assert_eq!(kept(&a[..5], Some(5), &shared), (AnchorAt::Opening, true));
-        // Past nothing the first block names the prompt, kept when the chain goes past it or
-        // it lies inside the opening.
-        let nothing = Match::default();
+        assert_eq!(kept(&a[..5], None, &shared), (at(5), Kept::No));
         assert_eq!(
-            kept(&a[..1], None, &nothing),
-            (AnchorAt::Position(1), false)
+            kept(&a[..5], Some(5), &shared),
+            (AnchorAt::Opening, Kept::Yes)
         );
+        // Past nothing the first block names the prompt.
+        let nothing = Match::default();
+        assert_eq!(kept(&a[..1], None, &nothing), (at(1), Kept::No));
         assert_eq!(
             kept(&a[..1], Some(1), &nothing),
-            (AnchorAt::Position(1), true)
+            (at(1), Kept::InsideOpening)
         );
-        assert_eq!(kept(&a[..2], None, &nothing), (AnchorAt::Position(1), true));
+        assert_eq!(kept(&a[..2], None, &nothing), (at(1), Kept::Yes));
         // An opening shorter than the position names the conversation itself.
-        assert_eq!(kept(&a[..1], Some(0), &nothing), (AnchorAt::Opening, true));
+        assert_eq!(
+            kept(&a[..1], Some(0), &nothing),
+            (AnchorAt::Opening, Kept::Yes)
+        );
     }
 
     #[test]

@@ -1324,6 +1324,44 @@ mod tests {
             .opening()
     }
 
+    /// Whether the prompt goes on past its opening: a later turn of a chat does, a first turn or
+    /// a conversation folded into one message does not, whatever the members' order.
+    #[test]
+    fn a_prompt_says_whether_it_goes_on_past_its_opening() {
+        let c = cfg(16, 4, 64);
+        let past = |body: &str, api| {
+            let chain = prompt_chain(body.as_bytes(), api, &c, &hasher())
+                .unwrap_or_else(|e| panic!("{e:?} on {body}"));
+            (chain.opening().is_some(), chain.past_opening())
+        };
+        let first = r#"{"model":"m","messages":[{"role":"system","content":"Be terse."},
+            {"role":"user","content":"Plan a trip to Lisbon, please"}]}"#;
+        let second = r#"{"model":"m","messages":[{"role":"user","content":"Plan a trip"},
+            {"role":"assistant","content":"Day 1: Alfama."},{"role":"user","content":"Day 2?"}]}"#;
+        let folded = r#"{"model":"m","messages":[{"role":"user","content":"User: Plan a trip\nAssistant: Day 1\nUser: Day 2?"}]}"#;
+        // Exactly a block's worth after the opening still counts (the block is hashed).
+        let a_block_more = r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"0123456789"}]}"#;
+        assert_eq!(past(first, Api::Chat), (true, false));
+        assert_eq!(past(second, Api::Chat), (true, true));
+        assert_eq!(past(folded, Api::Chat), (true, false));
+        assert_eq!(past(a_block_more, Api::Chat), (true, true));
+        assert_eq!(
+            past(r#"{"model":"m","prompt":"Plan a trip"}"#, Api::Completions),
+            (false, false)
+        );
+        let responses = r#"{"input":"Plan a trip","instructions":"Be terse.","model":"m"}"#;
+        assert_eq!(past(responses, Api::Responses), (true, false));
+        let items = r#"{"input":[{"role":"user","content":"Plan a trip"},
+            {"type":"function_call","name":"map","arguments":"{}","call_id":"c1"}],"model":"m"}"#;
+        assert_eq!(past(items, Api::Responses), (true, true));
+        // The Anthropic SDK writes `system` after `messages`: the list is replayed after it.
+        let messages = r#"{"messages":[{"role":"user","content":"Plan a trip"}],"model":"m","system":"Be terse."}"#;
+        assert_eq!(past(messages, Api::Messages), (true, false));
+        let later = r#"{"messages":[{"role":"user","content":"Plan a trip"},
+            {"role":"assistant","content":[{"type":"text","text":"Day 1"}]}],"model":"m","system":"Be terse."}"#;
+        assert_eq!(past(later, Api::Messages), (true, true));
+    }
+
     #[test]
     fn a_chats_opening_is_the_same_on_every_turn_and_names_the_conversation() {
         let c = cfg(16, 4, 64);

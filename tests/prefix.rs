@@ -518,14 +518,15 @@ fn messages_api_agent_loops_keep_their_rank_and_spread() {
     assert_kept_and_spread("Messages API agent loops", &homes, &moved);
 }
 
-/// Sends `CONVERSATIONS` conversations of `TURNS` turns, a turn of each in turn, keyed by
-/// `key_of(conversation)` in OpenAI's `user`: each opens with `system` when given, and its first
-/// question is `first_bytes` long (about; later ones ~450 B). Returns the rank of every turn.
+/// Sends `CONVERSATIONS` conversations of `TURNS` turns, a turn of each in turn (the first
+/// conversation `lead` turns ahead of the others), keyed by `key_of(conversation)` in OpenAI's
+/// `user`: each opens with `system` when given, and its first question is `first_bytes` long
+/// (about; later ones ~450 B). Returns the rank of every turn.
 fn keyed_conversations(
     stack: &Stack,
     who: &str,
     system: Option<&str>,
-    first_bytes: usize,
+    (first_bytes, lead): (usize, usize),
     key_of: &dyn Fn(usize) -> String,
 ) -> Vec<Vec<u32>> {
     const TURNS: usize = 3;
@@ -535,8 +536,14 @@ fn keyed_conversations(
         .collect();
     let mut histories = vec![opening; CONVERSATIONS_UNDER_ONE_KEY];
     let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS_UNDER_ONE_KEY];
-    for turn in 0..TURNS {
+    for step in 0..TURNS + lead {
         for (c, history) in histories.iter_mut().enumerate() {
+            let Some(turn) = step.checked_sub(if c == 0 { 0 } else { lead }) else {
+                continue;
+            };
+            if turn >= TURNS {
+                continue;
+            }
             let question = format!("{who} {c}, question {turn}: trains to {c}? ");
             let repeat = if turn == 0 {
                 first_bytes.div_ceil(question.len())
@@ -571,7 +578,7 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
     );
     let system = "You are the assistant of a travel agency. Be precise and brief. ".repeat(32);
     // 6 KiB of its own in the first turn: more than `prefix.home_blocks` blocks.
-    let ranks = keyed_conversations(&stack, "Traveller", Some(&system), 6 * 1024, &|_| {
+    let ranks = keyed_conversations(&stack, "Traveller", Some(&system), (6 * 1024, 0), &|_| {
         "one-user-for-everything".to_string()
     });
     let (homes, moved) = homes_and_moves(&ranks);
@@ -591,7 +598,7 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
         CONVERSATIONS - 2
     );
 
-    let ranks = keyed_conversations(&stack, "Passenger", Some(&system), 6 * 1024, &|c| {
+    let ranks = keyed_conversations(&stack, "Passenger", Some(&system), (6 * 1024, 0), &|c| {
         format!("conversation-{c}")
     });
     let (homes, moved) = homes_and_moves(&ranks);
@@ -612,9 +619,13 @@ fn conversations_sharing_one_key_keep_their_rank_and_spread() {
 /// prefix is known to be shared, so each conversation is named by its opening; first questions
 /// of 6 KiB (indexed at once), of 100 bytes (nothing indexed until the second turn, so the
 /// second turn is told from another conversation by its name alone) and of 700 bytes (one
-/// block, named by its last block, which lies inside the opening every later turn resends). On
-/// the build before names were taken past nothing, every conversation followed the key's pin;
-/// before a last block inside the opening counted as kept, the 700-byte ones did.
+/// block, named by its last block, which lies inside the opening every later turn resends). A
+/// pin stores such a name only from a turn that goes on past its opening (a first turn cannot
+/// tell a chat from a conversation folded into one growing message), so the first
+/// conversation is a turn ahead of the others, as in any stream of conversations that do not
+/// all start at once. On the build before names were taken past nothing, every conversation
+/// followed the key's pin; before a last block inside the opening counted as kept, the
+/// 700-byte ones did.
 #[test]
 fn conversations_sharing_one_key_without_a_system_prompt_keep_their_rank_and_spread() {
     const CONVERSATIONS: usize = CONVERSATIONS_UNDER_ONE_KEY;
@@ -625,7 +636,7 @@ fn conversations_sharing_one_key_without_a_system_prompt_keep_their_rank_and_spr
     for (who, first_bytes) in [("Traveller", 6 * 1024), ("Commuter", 100), ("Rider", 700)] {
         let before = stack.settled().get("key_overruled");
         let key = format!("{who}-the-only-user");
-        let ranks = keyed_conversations(&stack, who, None, first_bytes, &|_| key.clone());
+        let ranks = keyed_conversations(&stack, who, None, (first_bytes, 1), &|_| key.clone());
         let (homes, moved) = homes_and_moves(&ranks);
         println!(
             "{CONVERSATIONS} conversations under one key, no system prompt, first question \

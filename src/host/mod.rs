@@ -22,7 +22,7 @@ use crate::extract::{HeaderFacts, ResponseFacts};
 use crate::failure::{classify, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
-use crate::prefix_index::{Anchor, CountingStore, Match, PrefixIndex};
+use crate::prefix_index::{Anchor, CountingStore, Kept, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
@@ -979,10 +979,12 @@ impl Filter {
             // its pin).
             anchor: self.prefix.as_ref().and_then(|p| p.anchor).map(|a| a.hash),
             chain_blocks: self.prefix.as_ref().map_or(0, |p| p.chain.len()),
-            anchor_stable: self
+            anchor_kept: self
                 .prefix
                 .as_ref()
-                .is_some_and(|p| p.anchor.is_some_and(|a| a.kept_by_next_turns)),
+                .and_then(|p| p.anchor)
+                .map_or(Kept::No, |a| a.kept),
+            opening_name: self.opening_name(),
             turn,
         };
         let blocks = self.prompt_blocks();
@@ -1076,6 +1078,18 @@ impl Filter {
             );
         }
         Some(state.matched)
+    }
+
+    /// For a chat that goes on past its opening: the anchor its prompt gets past nothing (see
+    /// `placement::Facts::opening_name`).
+    fn opening_name(&self) -> Option<u64> {
+        let idx = self.rt.prefix.as_ref()?;
+        let chain = &self.prefix.as_ref()?.chain;
+        if !chain.past_opening() {
+            return None;
+        }
+        idx.anchor(chain.hashes(), chain.opening(), &Match::default())
+            .map(|a| a.hash)
     }
 
     /// The request's prompt size in blocks of `prefix.block_bytes` (its body's size; 1 when the
