@@ -984,7 +984,8 @@ impl Filter {
                 .as_ref()
                 .and_then(|p| p.anchor)
                 .map_or(Kept::No, |a| a.kept),
-            opening_name: self.opening_name(),
+            // Only a key's pin stores or compares names.
+            opening_name: key.and_then(|_| self.opening_name()),
             turn,
         };
         let blocks = self.prompt_blocks();
