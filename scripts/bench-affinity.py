@@ -323,6 +323,8 @@ def configurations(suite, quick, trace):
             keyed = ["filter-shipped-keyed"] if trace_has_keys(trace) else []
             out.append(cfg(f"4 ranks, {os.path.basename(trace)}", 4, PREFIX_ALL + keyed, prefix_goal,
                            workload=trace))
+            out.append(cfg(f"4 ranks, 2 Envoy replicas, {os.path.basename(trace)}", 4,
+                           ["filter-shipped", *keyed, "envoy-rr"], prefix_goal, replicas=2, workload=trace))
         else:
             out += [
                 cfg("no routing key, 4 ranks", 4, PREFIX_ALL, prefix_goal),
