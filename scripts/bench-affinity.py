@@ -691,7 +691,7 @@ def main():
     ap.add_argument("--check", action="store_true", help="smoke test: fail unless the filter beats round robin")
     ap.add_argument("--suite", choices=["keyed", "prefix", "kv", "all"], default="all")
     ap.add_argument("--trace", help="replay this JSONL trace instead of the built-in workloads: with the prefix "
-                    "suite at its own rate on 4 ranks, with the kv suite at 80 %% load on 4 and 8 ranks, one and "
+                    "suite at its own rate on 4 ranks, one and two replicas, with the kv suite at 80 %% load on 4 and 8 ranks, one and "
                     "two replicas (a public trace: see scripts/convert-trace.py)")
     ap.add_argument("--out", default=os.path.join(bc.ROOT, "results"), help="results folder")
     ap.add_argument("--policies", help="comma-separated subset of the policies to run")
