@@ -179,8 +179,12 @@ pub fn plan(
             [states.map(|_| Counter::NoUsableRank), None, None],
         ),
     };
-    // A pin that moves keeps the tag it had when this request knows none.
-    let keep = facts.key.filter(|k| sure.tag == 0 && k.pinned.is_some());
+    // A pin that moves keeps the tag it had when this request knows none, or knows only its
+    // name past nothing (a turn of its own history) and the pin a name past a shared prefix:
+    // new conversations past that prefix are compared with the deeper name.
+    let keep = facts.key.filter(|k| {
+        k.pinned.is_some() && (sure.tag == 0 || (sure.depth == 0 && k.tag != 0 && k.depth != 0))
+    });
     Plan {
         target,
         prefix: p.prefix,
@@ -1744,6 +1748,26 @@ mod tests {
             "{p:?}"
         );
         assert_eq!(p.pin_tag, Tag { tag, depth: 4 });
+        // ... and when the request knows only its name past nothing: the name past the shared
+        // prefix is the one new conversations under the key are compared with. A pin that
+        // knows no name, or one past nothing, takes the request's.
+        for (key, stored) in [
+            (pin(Some(other), tag), Tag { tag, depth: 4 }),
+            (pin(Some(other), 0), unshared_tag(9)),
+            (unshared_pin(tag), unshared_tag(9)),
+        ] {
+            let named = Facts {
+                key,
+                opening_name: Some(9),
+                ..moving
+            };
+            let p = plan(&c, 0, &named, Some(&down), 60);
+            assert!(
+                matches!(p.target, Target::Pinned { rank, write_pin: true, .. } if rank != other),
+                "{p:?}"
+            );
+            assert_eq!(p.pin_tag, stored, "{key:?}");
+        }
     }
 
     #[test]

@@ -169,10 +169,10 @@ pub struct Anchor {
 /// Whether a conversation's next turns name it as this one does (see [`PrefixIndex::anchor`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kept {
-    #[default]
     /// Taken at the chain's last block (or a shorter chain's stand-in for a position it did not
     /// reach): the next turn extends or replaces that block (a block-id trace's turns replace
     /// their last, partial block).
+    #[default]
     No,
     /// The chain's last block, where the next turns name it too, inside a chat's opening: kept
     /// when the client resends its messages, as chat clients do, but not when it folds the
