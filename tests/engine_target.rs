@@ -414,9 +414,17 @@ fn bodies_the_filter_cannot_edit() {
     let mut config = trusted_config(preset("sglang"));
     support::requests::merge(&mut config, small);
     let closed = engine_stack("unwritable_closed", "sglang", config, &[]);
-    let response = closed.send(&post(GENERATE, &big));
+    let response = closed.send(&post(GENERATE, &big).header(KEY_HEADER, "refused"));
     assert_eq!(response.status, 413, "{}", response.text());
     assert_eq!(response.json()["error"]["code"], "rank_fields_unchecked");
+    // The refused request reached no rank: its key is not pinned by it, so the key's next
+    // request is placed afresh, not sent where the refused one would have gone.
+    let small_body = body_for(GENERATE, "small");
+    let response = closed.send(&post(GENERATE, &small_body).header(KEY_HEADER, "refused"));
+    engine_rank(&response);
+    let counters = closed.settled();
+    counters.assert_eq("affinity_miss", 2);
+    counters.assert_zero(&["affinity_hit"]);
     let response = closed.send(&post(GENERATE, "{\"text\":"));
     assert_eq!(response.status, 400, "{}", response.text());
     let response = closed.send(&post(GENERATE, &big).header(TRUST_HEADER, SECRET));
@@ -427,7 +435,10 @@ fn bodies_the_filter_cannot_edit() {
         .iter()
         .map(|r| r["requests"].as_u64().unwrap_or(0))
         .sum();
-    assert_eq!(served, 1, "only the trusted request reached the engine");
+    assert_eq!(
+        served, 2,
+        "only the trusted request and the small one reached the engine"
+    );
     closed.settled().assert_eq("target_body_unwritable", 3);
 }
 

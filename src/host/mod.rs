@@ -410,6 +410,7 @@ impl RootContext for Root {
             awaiting_edit: false,
             engine_rank: None,
             has_content_length: false,
+            pin_to_write: None,
         }))
     }
 
@@ -487,6 +488,10 @@ struct Filter {
     engine_rank: Option<u32>,
     /// The request came with a `content-length`, which an edited body must correct.
     has_content_length: bool,
+    /// The key's pin the placement wrote, held back until the request is sure to reach that
+    /// rank: in engine mode a body that must carry the rank and cannot be edited sends the
+    /// request elsewhere (the engine places it) or nowhere (refused).
+    pin_to_write: Option<(u64, u32, Tag)>,
 }
 
 impl Context for Filter {
@@ -773,11 +778,15 @@ impl Filter {
     fn edit_body(&mut self, body: &[u8]) -> Action {
         let rt = self.rt.clone();
         let Some(edit) = self.pending_body_edit() else {
+            self.write_pin();
             return Action::Continue;
         };
         let rewritten = match rewrite(body, edit) {
             Ok(Some(r)) => r,
-            Ok(None) => return Action::Continue,
+            Ok(None) => {
+                self.write_pin();
+                return Action::Continue;
+            }
             Err(_) => return self.body_not_editable(false),
         };
         if let Err(e) = abi::set_request_body(0, body.len(), &rewritten.body) {
@@ -799,6 +808,7 @@ impl Filter {
         if rewritten.removed > 0 {
             rt.counters.add(Counter::TargetBodyStripped, 1);
         }
+        self.write_pin();
         Action::Continue
     }
 
@@ -808,6 +818,8 @@ impl Filter {
     /// filter cannot take a rank field of theirs out of that body.
     fn body_not_editable(&mut self, too_large: bool) -> Action {
         self.awaiting_edit = false;
+        // The request does not reach the rank chosen: its key keeps the pin it had.
+        self.pin_to_write = None;
         self.rt.counters.add(Counter::TargetBodyUnwritable, 1);
         if self.may_choose_rank {
             self.rank_not_applied();
@@ -1036,14 +1048,13 @@ impl Filter {
                 write_pin,
             } => {
                 if write_pin {
-                    let Tag { tag, depth } = plan.pin_tag;
-                    let events = rt
-                        .table
-                        .pin_flagged(&SharedData, hash, rank, tag, depth, now);
-                    rt.counters.add_table_events(events);
+                    self.pin_to_write = Some((hash, rank, plan.pin_tag));
                 }
                 self.route_to(rank, from_body);
                 self.record_prefix(rank);
+                if self.pending_body_edit().is_none() {
+                    self.write_pin();
+                }
                 Routed::Pinned { hash, rank }
             }
             Target::Direct { rank } => {
@@ -1058,6 +1069,17 @@ impl Filter {
             Target::Learn { hash } => Routed::Learn { hash },
             Target::Balanced => Routed::Balanced,
         };
+    }
+
+    /// Writes the key's pin the placement chose (see `pin_to_write`), if any.
+    fn write_pin(&mut self) {
+        if let Some((hash, rank, Tag { tag, depth })) = self.pin_to_write.take() {
+            let rt = &self.rt;
+            let events = rt
+                .table
+                .pin_flagged(&SharedData, hash, rank, tag, depth, rt.clock.now());
+            rt.counters.add_table_events(events);
+        }
     }
 
     /// Searches the prefix index for this request's chain (if it has one) and keeps the result
