@@ -201,6 +201,9 @@ fn walk_prompt_member(
 ) -> Result<(), ScanError> {
     match api {
         Api::Chat => walk_messages(s, chain.restart()),
+        // `/generate` takes `text` or `input_ids`: a null one is absent (as SGLang reads it), not
+        // an empty prompt. Clients that dump a whole request object send the other one as null.
+        Api::Generate if s.peek() == Some(b'n') => s.skip_value(),
         Api::Completions | Api::Generate => walk_text_or_ids(s, chain.restart()),
         Api::Responses | Api::Messages => split.member(api, name, s, chain),
     }
@@ -928,7 +931,7 @@ mod tests {
                     Api::Completions => "prompt",
                     _ => ["text", "input_ids"]
                         .into_iter()
-                        .find(|f| body.get(f).is_some())?,
+                        .find(|f| body.get(f).is_some_and(|v| !v.is_null()))?,
                 };
                 let id = |v: &Json| {
                     v.as_u64()
@@ -1479,6 +1482,27 @@ mod tests {
         assert_eq!(chain(tok, Api::Completions, &c), want);
         let gen = r#"{"input_ids":[1,2,3,4,5,4294967294,0],"model":"m"}"#;
         assert_eq!(chain(gen, Api::Generate, &c), want);
+        // The other of /generate's two prompt members sent as null is absent, before or after.
+        let gen_null = r#"{"text":null,"input_ids":[1,2,3,4,5,4294967294,0],"model":"m"}"#;
+        let gen_null_after = r#"{"input_ids":[1,2,3,4,5,4294967294,0],"text": null}"#;
+        assert_eq!(chain(gen_null, Api::Generate, &c), want);
+        assert_eq!(
+            chain(gen_null_after, Api::Generate, &c),
+            direct(
+                Domain::Tokens,
+                &ids(&[1, 2, 3, 4, 5, u32::MAX - 1]),
+                None,
+                &c
+            )
+        );
+        let g_null = format!(r#"{{"input_ids":null,"text":"{text}","model":"m"}}"#);
+        let g_null_after = format!(r#"{{"text":"{text}","model":"m","input_ids":null}}"#);
+        let text_want = direct(Domain::Text, text.as_bytes(), Some("m"), &c);
+        assert_eq!(chain(&g_null, Api::Generate, &c), text_want);
+        assert_eq!(chain(&g_null_after, Api::Generate, &c), text_want);
+        for body in [gen_null, gen_null_after, &g_null, &g_null_after] {
+            check_against_reference(body, Api::Generate, &c);
+        }
         let lists = r#"{"prompt":[[1,2,3],[4]]}"#;
         assert_eq!(
             chain(lists, Api::Completions, &c),
