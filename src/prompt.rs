@@ -300,13 +300,16 @@ fn each_object(
     }
 }
 
-/// One message: role, `"`, text content, `"`, whatever the member order.
+/// One message: role, `"`, text content, then each of its tool calls (`walk_tool_call`), `"`,
+/// whatever the member order.
 fn walk_message(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     let mut role: Option<(usize, usize)> = None;
     let mut role_fed = false;
     let mut seen_content = false;
     // Start of a content value that came before the role: walked again once the role is fed.
     let mut deferred: Option<usize> = None;
+    // Start of the `tool_calls` list: walked after the content, as templates render them.
+    let mut tool_calls: Option<usize> = None;
     if enter(s, b'{', b'}')? {
         loop {
             let name = member_name(s)?;
@@ -341,6 +344,10 @@ fn walk_message(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sca
                         s.skip_value()?;
                     }
                 }
+                b"tool_calls" => {
+                    tool_calls = (s.peek() == Some(b'[')).then_some(s.i);
+                    s.skip_value()?;
+                }
                 _ => s.skip_value()?,
             }
             if !object_next(s)? {
@@ -359,9 +366,39 @@ fn walk_message(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), Sca
             walk_content(&mut Scanner { b: s.b, i: at }, c)?;
         }
     }
+    if let Some(at) = tool_calls {
+        if c.active() {
+            each_object(&mut Scanner { b: s.b, i: at }, c, walk_tool_call)?;
+        }
+    }
     c.feed(&[SEP]);
     if role.is_some_and(|span| bytes(s.b, span) == b"user") {
         c.mark_opening();
+    }
+    Ok(())
+}
+
+/// An assistant message's tool call, `{"id":…,"type":"function","function":{"name":…,
+/// "arguments":…}}`: `"`, the function's name, `"`, its arguments (the text of the JSON string
+/// OpenAI sends, or any other JSON as sent). The call's id, which clients resend unchanged, is
+/// not read; a call without a function adds nothing.
+fn walk_tool_call(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    if enter(s, b'{', b'}')? {
+        loop {
+            let name = member_name(s)?;
+            if &*name == b"function" && s.peek() == Some(b'{') {
+                let function = read_part(s)?;
+                c.feed(&[SEP]);
+                c.feed(function.name.unwrap_or_default());
+                c.feed(&[SEP]);
+                c.feed(function.arguments.unwrap_or_default());
+            } else {
+                s.skip_value()?;
+            }
+            if !object_next(s)? {
+                break;
+            }
+        }
     }
     Ok(())
 }
@@ -438,6 +475,8 @@ struct Part<'a> {
     name: Option<&'a [u8]>,
     /// The raw JSON of `input` (a tool call's arguments).
     input: Option<&'a [u8]>,
+    /// A chat tool call's `arguments`: the text of a string, else the raw JSON.
+    arguments: Option<&'a [u8]>,
     /// Where a string or list `content` starts (a tool result's).
     content_at: Option<usize>,
 }
@@ -471,6 +510,7 @@ fn read_part<'a>(s: &mut Scanner<'a>) -> Result<Part<'a>, ScanError> {
                 b"text" => part.text = string,
                 b"name" => part.name = string,
                 b"input" => part.input = s.b.get(at..s.i),
+                b"arguments" => part.arguments = string.or_else(|| s.b.get(at..s.i)),
                 b"content" => part.content_at = matches!(kind, Some(b'"' | b'[')).then_some(at),
                 _ => {}
             }
@@ -918,6 +958,20 @@ mod tests {
                     }
                     out.push(SEP);
                     content_reference(m.get("content"), &mut out)?;
+                    let calls = m.get("tool_calls").and_then(Json::as_array);
+                    for call in calls.into_iter().flatten() {
+                        let Some(f) = call.get("function").filter(|f| f.is_object()) else {
+                            continue;
+                        };
+                        out.push(SEP);
+                        out.extend(f.get("name").and_then(text).unwrap_or_default());
+                        out.push(SEP);
+                        match f.get("arguments") {
+                            Some(Json::String(a)) => out.extend(a.as_bytes()),
+                            Some(other) => out.extend(other.to_string().as_bytes()),
+                            None => {}
+                        }
+                    }
                     out.push(SEP);
                 }
                 Some((Domain::Chat, out))
@@ -1445,6 +1499,52 @@ mod tests {
                 None,
                 &c
             )
+        );
+    }
+
+    #[test]
+    fn chat_tool_calls_are_part_of_the_prompt() {
+        let c = cfg(8, 2, 64);
+        let body = |call: &str| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"what is the weather there"}},
+                {{"role":"assistant","content":null,"tool_calls":[{call}]}},
+                {{"role":"tool","tool_call_id":"call_1","content":"sunny"}}]}}"#
+            )
+        };
+        let lisbon = body(
+            r#"{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Lisbon\"}"}}"#,
+        );
+        let want = direct(
+            Domain::Chat,
+            br#"user"what is the weather there"assistant""get_weather"{\"city\":\"Lisbon\"}"tool"sunny""#,
+            None,
+            &c,
+        );
+        assert_eq!(chain(&lisbon, Api::Chat, &c), want);
+        // Member order inside the call and the function does not matter; the id is not read.
+        let reordered = body(
+            r#"{"function":{"arguments":"{\"city\":\"Lisbon\"}","name":"get_weather"},"type":"function","id":"call_9"}"#,
+        );
+        assert_eq!(chain(&reordered, Api::Chat, &c), want);
+        // Another call, with the same result, is another prompt.
+        let other = body(
+            r#"{"id":"call_1","type":"function","function":{"name":"delete_account","arguments":"{\"user\":\"bob\"}"}}"#,
+        );
+        assert_ne!(chain(&other, Api::Chat, &c), want);
+        // Tool calls before the content and the role: the same stream. Arguments sent as an
+        // object are read as their raw JSON; several calls follow one another.
+        let first = r#"{"messages":[{"tool_calls":[{"function":{"name":"a","arguments":{"x":1}}},{"function":{"name":"b","arguments":"2"}}],"content":"hm","role":"assistant"}]}"#;
+        assert_eq!(
+            chain(first, Api::Chat, &c),
+            direct(Domain::Chat, br#"assistant"hm"a"{"x":1}"b"2""#, None, &c)
+        );
+        // (The reference reads decoded strings: only bodies without escapes compare.)
+        check_against_reference(first, Api::Chat, &c);
+        check_against_reference(
+            &body(r#"{"function":{"name":"f","arguments":"x"}}"#),
+            Api::Chat,
+            &c,
         );
     }
 
