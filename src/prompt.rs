@@ -426,15 +426,80 @@ fn is_text_part(kind: &[u8]) -> bool {
     matches!(kind, b"text" | b"input_text" | b"output_text")
 }
 
-/// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text parts, in order.
+/// Content parts that carry media (images, audio, video, files) in chat, Responses and Messages
+/// bodies: read by [`media_sample`], not as text.
+fn is_media_part(kind: &[u8]) -> bool {
+    matches!(
+        kind,
+        b"image_url"
+            | b"input_image"
+            | b"image"
+            | b"input_audio"
+            | b"audio"
+            | b"video_url"
+            | b"video"
+            | b"file"
+            | b"input_file"
+            | b"document"
+    )
+}
+
+/// A media part whose raw JSON is at most this long is read whole (a URL, a file id).
+const MEDIA_WHOLE_BYTES: usize = 512;
+/// Otherwise this many bytes are read at each of five places.
+const MEDIA_SAMPLE_BYTES: usize = 32;
+
+/// The bytes that stand for a media part in the stream, taken from its raw JSON: all of it up to
+/// [`MEDIA_WHOLE_BYTES`], else its length (8 bytes) and [`MEDIA_SAMPLE_BYTES`] at a fifth, two,
+/// three and four fifths of it and at its end (inline base64, where any sample tells two images
+/// apart). A client resends a part unchanged, so a conversation keeps its chain, while prompts
+/// that differ only by their media (one question about many pictures) no longer share one; and
+/// megabytes of base64 are not read as prompt text (blocks stand for tokens, which they are not).
+fn media_sample(raw: &[u8]) -> [&[u8]; 6] {
+    let n = raw.len();
+    if n <= MEDIA_WHOLE_BYTES {
+        return [raw, &[], &[], &[], &[], &[]];
+    }
+    let at = |start: usize| {
+        raw.get(start..start + MEDIA_SAMPLE_BYTES)
+            .unwrap_or_default()
+    };
+    [
+        &[],
+        at(n / 5),
+        at(n / 5 * 2),
+        at(n / 5 * 3),
+        at(n / 5 * 4),
+        at(n - MEDIA_SAMPLE_BYTES),
+    ]
+}
+
+/// Feeds a media part: `"`, its kind, `"`, its sample (see [`media_sample`]).
+fn feed_media(c: &mut ChainBuilder<'_>, kind: &[u8], raw: &[u8]) {
+    c.feed(&[SEP]);
+    c.feed(kind);
+    c.feed(&[SEP]);
+    if raw.len() > MEDIA_WHOLE_BYTES {
+        c.feed(&(raw.len() as u64).to_le_bytes());
+    }
+    for piece in media_sample(raw) {
+        c.feed(piece);
+    }
+}
+
+/// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text and media parts, in
+/// order.
 fn walk_parts(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
     each_object(s, c, walk_part)
 }
 
-/// A part: its `text` if it is a text part. Anthropic's blocks add a tool call (`tool_use`): its
-/// `name`, `"` and its `input` as raw JSON; and a tool's answer (`tool_result`): the text of its
-/// `content` (a string, or the text parts of a list, read one level deep only).
+/// A part: its `text` if it is a text part, its sample if it is a media part (`feed_media`).
+/// Anthropic's blocks add a tool call (`tool_use`): its `name`, `"` and its `input` as raw JSON;
+/// and a tool's answer (`tool_result`): the text and media of its `content` (a string, or the
+/// parts of a list, read one level deep only). Other parts (thinking blocks, which clients drop
+/// from older turns) add nothing.
 fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    let start = s.i;
     let part = read_part(s)?;
     if let Some(text) = part.prompt_text() {
         c.feed(text);
@@ -453,15 +518,23 @@ fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
             Some(at) => walk_content(&mut Scanner { b: s.b, i: at }, c)?,
             None => {}
         },
+        Some(kind) if is_media_part(kind) => {
+            feed_media(c, kind, s.b.get(start..s.i).unwrap_or_default());
+        }
         _ => {}
     }
     Ok(())
 }
 
-/// A part of a tool result's content: its `text` if it is a text part, nothing else.
+/// A part of a tool result's content: its `text` if it is a text part, its sample if it is a
+/// media part (a screenshot), nothing else.
 fn walk_text_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
-    if let Some(text) = read_part(s)?.prompt_text() {
+    let start = s.i;
+    let part = read_part(s)?;
+    if let Some(text) = part.prompt_text() {
         c.feed(text);
+    } else if let Some(kind) = part.kind.filter(|k| is_media_part(k)) {
+        feed_media(c, kind, s.b.get(start..s.i).unwrap_or_default());
     }
     Ok(())
 }
@@ -1031,12 +1104,24 @@ mod tests {
             None | Some(Json::Null) => {}
             Some(Json::String(s)) => out.extend(s.as_bytes()),
             Some(Json::Array(parts)) => {
-                for p in parts {
-                    let p = p.as_object()?;
+                for part in parts {
+                    let p = part.as_object()?;
                     let kind = p.get("type").and_then(Json::as_str).unwrap_or("");
                     if is_text_part(kind.as_bytes()) {
                         if let Some(t) = p.get("text").and_then(Json::as_str) {
                             out.extend(t.as_bytes());
+                        }
+                    } else if is_media_part(kind.as_bytes()) {
+                        // The raw JSON as serde writes it (test bodies write it so too).
+                        let raw = part.to_string();
+                        out.push(SEP);
+                        out.extend(kind.as_bytes());
+                        out.push(SEP);
+                        if raw.len() > MEDIA_WHOLE_BYTES {
+                            out.extend((raw.len() as u64).to_le_bytes());
+                        }
+                        for piece in media_sample(raw.as_bytes()) {
+                            out.extend(piece);
                         }
                     }
                 }
@@ -1127,13 +1212,14 @@ mod tests {
             {"type":"function_call","id":"fc_1","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Lisbon\"}","status":"completed"},
             {"call_id":"c1","output":"sunny, 24C","type":"function_call_output"},
             {"id":"msg_1","content":[{"type":"output_text","text":"Sunny, 24C.","annotations":[]}],"role":"assistant","status":"completed","type":"message"},
-            {"type":"message","role":"user","content":[{"type":"input_text","text":"And tomorrow?"},{"type":"input_image","image_url":"u"}]}]}"#;
-        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?""#;
+            {"type":"message","role":"user","content":[{"type":"input_text","text":"And tomorrow?"},{"image_url":"u","type":"input_image"}]}]}"#;
+        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?"input_image"{"image_url":"u","type":"input_image"}""#;
         assert_eq!(
             chain(body, Api::Responses, &c),
             direct(Domain::Chat, stream, Some("m"), &c)
         );
-        // Instructions after the input: the same prompt.
+        // Instructions after the input: the same prompt (the input re-serialised by serde, which
+        // writes the image part's members in the order the body has them).
         let v: Json = serde_json::from_str(body).unwrap();
         let late = format!(
             r#"{{"input":{},"model":"m","instructions":"You are terse."}}"#,
@@ -1238,7 +1324,7 @@ mod tests {
                 true => format!(r#"{{"model":"m",{messages},"max_tokens":8,{system}}}"#),
             }
         };
-        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"okThanks""#;
+        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"ok"image"{"type":"image","source":{}}Thanks""#;
         let want = direct(Domain::Chat, stream, Some("m"), &c);
         assert_eq!(chain(&body("a1", false), Api::Messages, &c), want);
         // Claude Code's billing block changes every request and is not read; the system may
@@ -1477,8 +1563,7 @@ mod tests {
         let plain = r#"{"model":"m","messages":[{"role":"user","content":"describe this picture please, in detail"}]}"#;
         let parts = r#"{"model":"m","messages":[{"role":"user","content":[
             {"type":"text","text":"describe this picture "},
-            {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"},"text":"not me"},
-            {"text":"please, in detail","type":"text"}]}]}"#;
+            {"type":"text","text":"please, in detail","type":"text"}]}]}"#;
         let reordered = r#"{"messages":[{"content":"describe this picture please, in detail","role":"user"}],"model":"m"}"#;
         let want = chain(plain, Api::Chat, &c);
         assert_eq!(want.len(), 2); // 45 bytes of canonical stream
@@ -1487,6 +1572,61 @@ mod tests {
         for body in [plain, parts, reordered] {
             check_against_reference(body, Api::Chat, &c);
         }
+        // A media part is its kind and its raw JSON (a `text` member in it is not prompt text).
+        let image = |url: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[
+                {{"type":"text","text":"describe this picture "}},
+                {{"type":"image_url","image_url":{{"url":"{url}"}},"text":"not me"}},
+                {{"text":"please, in detail","type":"text"}}]}}]}}"#
+            )
+        };
+        let png = image("data:image/png;base64,AAAA");
+        assert_eq!(
+            chain(&png, Api::Chat, &c),
+            direct(
+                Domain::Chat,
+                br#"user"describe this picture "image_url"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"},"text":"not me"}please, in detail""#,
+                Some("m"),
+                &c
+            )
+        );
+        // The same question about another picture is another prompt, past the question's start.
+        let other = chain(&image("data:image/png;base64,BBBB"), Api::Chat, &c);
+        assert_ne!(other, chain(&png, Api::Chat, &c));
+        assert_eq!(other[0], chain(&png, Api::Chat, &c)[0]);
+        // Inline base64 is sampled, not read: its length and five pieces of 32 bytes.
+        let big = |fill: u8, at: usize| {
+            let mut b = vec![b'A'; 4000];
+            b[at] = fill;
+            image(&format!(
+                "data:image/png;base64,{}",
+                String::from_utf8(b).unwrap()
+            ))
+        };
+        let sampled = chain(&big(b'A', 0), Api::Chat, &c);
+        assert!(sampled.len() < 20, "{} blocks", sampled.len());
+        assert_eq!(
+            chain(&big(b'B', 5), Api::Chat, &c),
+            sampled,
+            "outside the samples"
+        );
+        // Where the base64 starts in the part's raw JSON, and how long that is.
+        let lead = r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,"#.len();
+        let n = lead + 4000 + r#""},"text":"not me"}"#.len();
+        for k in 1..=4 {
+            let at = n / 5 * k - lead + MEDIA_SAMPLE_BYTES / 2;
+            assert_ne!(
+                chain(&big(b'B', at), Api::Chat, &c),
+                sampled,
+                "sampled at {k}/5"
+            );
+        }
+        assert_ne!(
+            chain(&big(b'B', 3999), Api::Chat, &c),
+            sampled,
+            "sampled at the end"
+        );
         // Content-first with multi-part content, and a null content (an assistant tool call).
         let mixed = r#"{"messages":[{"content":[{"type":"text","text":"abcdefghijklmnopqrstuvwxyz"}],"role":"user"},
             {"role":"assistant","content":null,"tool_calls":[{"id":"x"}]},{"role":"tool","content":"42"}]}"#;
@@ -1893,9 +2033,11 @@ mod tests {
                                     ("text", json!(r.text(2)).to_string()),
                                     ("type", json!("text").to_string()),
                                 ]),
+                                // Keys in serde's order: the reference reads a media
+                                // part's raw JSON as serde writes it.
                                 _ => object(&[
-                                    ("type", json!("image_url").to_string()),
                                     ("image_url", json!({"url":"u"}).to_string()),
+                                    ("type", json!("image_url").to_string()),
                                 ]),
                             })
                             .collect();

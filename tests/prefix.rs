@@ -389,6 +389,60 @@ fn conversations_of_short_turns_keep_their_rank() {
     }
 }
 
+/// Chats about pictures: 16 conversations ask the same question about their own inline image
+/// (3 KiB of base64 each), then go on about it, resending the picture each turn, with the
+/// shipped defaults. Each conversation keeps its rank, and they spread: their prompts differ by
+/// their pictures (the filter before it read media parts sent all 16 to one home pair).
+#[test]
+fn one_question_about_many_pictures_spreads_and_each_conversation_keeps_its_rank() {
+    const CONVERSATIONS: usize = 16;
+    let stack = Stack::start(
+        "prefix_pictures",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let picture = |c: usize| {
+        let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c as u64;
+        let base64: String = (0..3072)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                alphabet[(x % 64) as usize] as char
+            })
+            .collect();
+        format!("data:image/png;base64,{base64}")
+    };
+    let mut histories: Vec<Vec<Value>> = (0..CONVERSATIONS)
+        .map(|c| {
+            vec![json!({ "role": "user", "content": [
+                { "type": "text", "text": "Describe this picture in detail." },
+                { "type": "image_url", "image_url": { "url": picture(c) } },
+            ]})]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); CONVERSATIONS];
+    for turn in 0..3 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            let request = Request::post("/v1/chat/completions")
+                .json(&json!({ "model": "mock", "messages": history }));
+            ranks[c].push(served_rank(&stack.send(&request)));
+            let answer = format!("Picture {c} shows a harbour at dusk, turn {turn}. ").repeat(8);
+            history.push(json!({ "role": "assistant", "content": answer }));
+            history.push(
+                json!({ "role": "user", "content": format!("And what about the boats, {turn}?") }),
+            );
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{CONVERSATIONS} chats about their own picture: first turns per rank {homes:?}, {} moved: \
+         {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("chats about pictures", &homes, &moved);
+}
+
 /// Agent loops on the OpenAI Responses API (`/v1/responses`, as the OpenAI Agents SDK sends them
 /// by default), with the shipped defaults: shared `instructions`, then each session's task, and
 /// per turn the items the server returned (a function call, as the SDK sends it back with its
