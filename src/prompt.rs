@@ -7,11 +7,12 @@
 //!
 //! A byte stream (or, for token ids, a stream of little-endian `u32`s), built from the body in
 //! one pass by API ([`Api`], from the request path):
-//! - chat completions: for each element of `messages`, in order: the role, `"`, the text content
-//!   (a string, or the `text` of every `text`, `input_text` or `output_text` part of an array
-//!   content, concatenated;
-//!   other parts and other members are ignored), `"`. Role and content are taken in that order
-//!   whatever their order in the message object;
+//! - chat completions: for each element of `messages`, in order: the role, `"`, the content (a
+//!   string, or the `text` of every `text`, `input_text` or `output_text` part of an array
+//!   content, concatenated, with each media part's sample in its place (`feed_media`); other
+//!   parts are ignored), then each of an assistant's `tool_calls` (`walk_tool_call`), `"`.
+//!   Other members are ignored; role, content and tool calls are taken in that order whatever
+//!   their order in the message object;
 //! - completions (`prompt`) and SGLang `/generate` (`text`): a string as is; a list of strings
 //!   (a batch) as each string followed by `"`; a list of integers as token ids; a list of lists of
 //!   integers as each list followed by the separator id `u32::MAX`. `/generate`'s `input_ids`
@@ -19,7 +20,8 @@
 //!   (so a completions batch can never collide with a chat that renders to the same bytes);
 //! - OpenAI Responses (`instructions`, `input`): the chat stream of the messages the engines
 //!   render from it, `instructions` as a `system` message first (see `SplitPrompt`), in
-//!   the chat domain: the same conversation sent either way shares its entries.
+//!   the chat domain: the same text conversation sent either way shares its entries (media
+//!   parts and tool calls are read as each API writes them, so those do not).
 //!
 //! `"` is an unambiguous separator: it never appears unescaped inside a JSON string.
 //!
@@ -449,12 +451,13 @@ const MEDIA_WHOLE_BYTES: usize = 512;
 /// Otherwise this many bytes are read at each of five places.
 const MEDIA_SAMPLE_BYTES: usize = 32;
 
-/// The bytes that stand for a media part in the stream, taken from its raw JSON: all of it up to
-/// [`MEDIA_WHOLE_BYTES`], else its length (8 bytes) and [`MEDIA_SAMPLE_BYTES`] at a fifth, two,
+/// The bytes that stand for a media part's member in the stream, taken from the value's raw
+/// JSON: all of it up to [`MEDIA_WHOLE_BYTES`], else [`MEDIA_SAMPLE_BYTES`] at a fifth, two,
 /// three and four fifths of it and at its end (inline base64, where any sample tells two images
-/// apart). A client resends a part unchanged, so a conversation keeps its chain, while prompts
-/// that differ only by their media (one question about many pictures) no longer share one; and
-/// megabytes of base64 are not read as prompt text (blocks stand for tokens, which they are not).
+/// apart). A client resends a part's payload unchanged, so a conversation keeps its chain, while
+/// prompts that differ only by their media (one question about many pictures) no longer share
+/// one; and megabytes of base64 are not read as prompt text (blocks stand for tokens, which they
+/// are not).
 fn media_sample(raw: &[u8]) -> [&[u8]; 6] {
     let n = raw.len();
     if n <= MEDIA_WHOLE_BYTES {
@@ -474,16 +477,37 @@ fn media_sample(raw: &[u8]) -> [&[u8]; 6] {
     ]
 }
 
-/// Feeds a media part: `"`, its kind, `"`, its sample (see [`media_sample`]).
-fn feed_media(c: &mut ChainBuilder<'_>, kind: &[u8], raw: &[u8]) {
+/// Feeds a media part (its `{` at `at`): `"`, its kind, then for each member but `type` and
+/// `cache_control`, in the part's order: `"`, its name, `"`, its value's sample (see
+/// [`media_sample`]; preceded by the value's length when sampled). `cache_control` is a marker
+/// Anthropic clients move to their newest blocks each turn and the engines ignore: an image
+/// that had it in one turn and not in the next is the same prompt.
+fn feed_media(c: &mut ChainBuilder<'_>, kind: &[u8], b: &[u8], at: usize) -> Result<(), ScanError> {
     c.feed(&[SEP]);
     c.feed(kind);
-    c.feed(&[SEP]);
-    if raw.len() > MEDIA_WHOLE_BYTES {
-        c.feed(&(raw.len() as u64).to_le_bytes());
+    let mut p = Scanner { b, i: at };
+    if !enter(&mut p, b'{', b'}')? {
+        return Ok(());
     }
-    for piece in media_sample(raw) {
-        c.feed(piece);
+    loop {
+        let name = member_name(&mut p)?;
+        let start = p.i;
+        p.skip_value()?;
+        if !matches!(&*name, b"type" | b"cache_control") {
+            let raw = b.get(start..p.i).unwrap_or_default();
+            c.feed(&[SEP]);
+            c.feed(&name);
+            c.feed(&[SEP]);
+            if raw.len() > MEDIA_WHOLE_BYTES {
+                c.feed(&(raw.len() as u64).to_le_bytes());
+            }
+            for piece in media_sample(raw) {
+                c.feed(piece);
+            }
+        }
+        if !object_next(&mut p)? {
+            return Ok(());
+        }
     }
 }
 
@@ -518,9 +542,7 @@ fn walk_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
             Some(at) => walk_content(&mut Scanner { b: s.b, i: at }, c)?,
             None => {}
         },
-        Some(kind) if is_media_part(kind) => {
-            feed_media(c, kind, s.b.get(start..s.i).unwrap_or_default());
-        }
+        Some(kind) if is_media_part(kind) => feed_media(c, kind, s.b, start)?,
         _ => {}
     }
     Ok(())
@@ -534,7 +556,7 @@ fn walk_text_part(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), S
     if let Some(text) = part.prompt_text() {
         c.feed(text);
     } else if let Some(kind) = part.kind.filter(|k| is_media_part(k)) {
-        feed_media(c, kind, s.b.get(start..s.i).unwrap_or_default());
+        feed_media(c, kind, s.b, start)?;
     }
     Ok(())
 }
@@ -611,8 +633,8 @@ const RESPONSES_MEMBERS: [&[u8]; 4] = [
 /// Responses `input`: a string is one user message; an item is its role (or, for an item without
 /// one, its `type`), `"`, its text, `"` — where the text is a function call's `name`, `"` and
 /// `arguments`, then the item's `content`, else its `output` (a string, or the `text` /
-/// `input_text` / `output_text` parts of a list; any other shape, such as a computer call's
-/// screenshot object, adds nothing). Ids, status and other members the server adds to the items
+/// `input_text` / `output_text` and media parts of a list; any other shape, such as a computer
+/// call's screenshot object, adds nothing). Ids, status and other members the server adds to the items
 /// it returns are ignored, so an item reads the same whether the client sends it back whole or
 /// rebuilt. Messages `messages`: as chat's, with Anthropic's content blocks (`walk_part`).
 ///
@@ -1112,16 +1134,24 @@ mod tests {
                             out.extend(t.as_bytes());
                         }
                     } else if is_media_part(kind.as_bytes()) {
-                        // The raw JSON as serde writes it (test bodies write it so too).
-                        let raw = part.to_string();
+                        // Members in serde's order, values' raw JSON as serde writes them (test
+                        // bodies write them so too).
                         out.push(SEP);
                         out.extend(kind.as_bytes());
-                        out.push(SEP);
-                        if raw.len() > MEDIA_WHOLE_BYTES {
-                            out.extend((raw.len() as u64).to_le_bytes());
-                        }
-                        for piece in media_sample(raw.as_bytes()) {
-                            out.extend(piece);
+                        for (name, value) in p {
+                            if name == "type" || name == "cache_control" {
+                                continue;
+                            }
+                            let raw = value.to_string();
+                            out.push(SEP);
+                            out.extend(name.as_bytes());
+                            out.push(SEP);
+                            if raw.len() > MEDIA_WHOLE_BYTES {
+                                out.extend((raw.len() as u64).to_le_bytes());
+                            }
+                            for piece in media_sample(raw.as_bytes()) {
+                                out.extend(piece);
+                            }
                         }
                     }
                 }
@@ -1213,7 +1243,7 @@ mod tests {
             {"call_id":"c1","output":"sunny, 24C","type":"function_call_output"},
             {"id":"msg_1","content":[{"type":"output_text","text":"Sunny, 24C.","annotations":[]}],"role":"assistant","status":"completed","type":"message"},
             {"type":"message","role":"user","content":[{"type":"input_text","text":"And tomorrow?"},{"image_url":"u","type":"input_image"}]}]}"#;
-        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?"input_image"{"image_url":"u","type":"input_image"}""#;
+        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?"input_image"image_url""u""#;
         assert_eq!(
             chain(body, Api::Responses, &c),
             direct(Domain::Chat, stream, Some("m"), &c)
@@ -1324,7 +1354,7 @@ mod tests {
                 true => format!(r#"{{"model":"m",{messages},"max_tokens":8,{system}}}"#),
             }
         };
-        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"ok"image"{"type":"image","source":{}}Thanks""#;
+        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"ok"image"source"{}Thanks""#;
         let want = direct(Domain::Chat, stream, Some("m"), &c);
         assert_eq!(chain(&body("a1", false), Api::Messages, &c), want);
         // Claude Code's billing block changes every request and is not read; the system may
@@ -1586,7 +1616,7 @@ mod tests {
             chain(&png, Api::Chat, &c),
             direct(
                 Domain::Chat,
-                br#"user"describe this picture "image_url"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"},"text":"not me"}please, in detail""#,
+                br#"user"describe this picture "image_url"image_url"{"url":"data:image/png;base64,AAAA"}"text""not me"please, in detail""#,
                 Some("m"),
                 &c
             )
@@ -1611,9 +1641,9 @@ mod tests {
             sampled,
             "outside the samples"
         );
-        // Where the base64 starts in the part's raw JSON, and how long that is.
-        let lead = r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,"#.len();
-        let n = lead + 4000 + r#""},"text":"not me"}"#.len();
+        // Where the base64 starts in the raw JSON of the part's `image_url`, and how long that is.
+        let lead = r#"{"url":"data:image/png;base64,"#.len();
+        let n = lead + 4000 + r#""}"#.len();
         for k in 1..=4 {
             let at = n / 5 * k - lead + MEDIA_SAMPLE_BYTES / 2;
             assert_ne!(
@@ -1640,6 +1670,44 @@ mod tests {
                 &c
             )
         );
+    }
+
+    #[test]
+    fn a_cache_control_marker_moving_off_a_media_block_keeps_the_prefix() {
+        // Anthropic clients mark their newest blocks with `cache_control` and drop the marker
+        // from older ones the next turn; the engines ignore it.
+        let c = cfg(16, 4, 64);
+        let data: String = (0..3000)
+            .map(|i| (b'A' + (i * 7 % 26) as u8) as char)
+            .collect();
+        for source in [
+            json!({"type":"base64","media_type":"image/png","data":data}),
+            json!({"type":"url","url":"https://example.com/cat.png"}),
+        ] {
+            let image = json!({"type":"image","source":source});
+            let mut marked = image.clone();
+            marked["cache_control"] = json!({"type":"ephemeral"});
+            let ask = json!({"type":"text","text":"What is in this picture?"});
+            let turn1 = json!({"model":"m","max_tokens":8,"messages":[
+                {"role":"user","content":[ask, marked]}]})
+            .to_string();
+            let turn2 = json!({"model":"m","max_tokens":8,"messages":[
+                {"role":"user","content":[ask, image]},
+                {"role":"assistant","content":"A cat sitting on a mat, looking at the camera."},
+                {"role":"user","content":[{"type":"text","text":"What colour is the cat?",
+                    "cache_control":{"type":"ephemeral"}}]}]})
+            .to_string();
+            let (a, b) = (
+                chain(&turn1, Api::Messages, &c),
+                chain(&turn2, Api::Messages, &c),
+            );
+            assert!(a.len() >= 3 && b.len() > a.len(), "{} {}", a.len(), b.len());
+            assert_eq!(&b[..a.len()], &a[..], "turn 2 of {turn1}");
+            assert_eq!(
+                opening(&turn1, Api::Messages, &c),
+                opening(&turn2, Api::Messages, &c)
+            );
+        }
     }
 
     #[test]
