@@ -450,6 +450,12 @@ fn is_media_part(kind: &[u8]) -> bool {
 const MEDIA_WHOLE_BYTES: usize = 512;
 /// Otherwise this many bytes are read at each of five places.
 const MEDIA_SAMPLE_BYTES: usize = 32;
+/// What a media part weighs in the stream at least (zeros after its members make up the rest):
+/// about 512 tokens' worth (an image costs an engine hundreds to thousands of tokens), so a
+/// first turn made of a short question and a picture fills blocks the index records, and its
+/// next turn finds it there instead of asking its home pair again.
+const MEDIA_STAND_IN_BYTES: usize = 2048;
+static MEDIA_PADDING: [u8; MEDIA_STAND_IN_BYTES] = [0; MEDIA_STAND_IN_BYTES];
 
 /// The bytes that stand for a media part's member in the stream, taken from the value's raw
 /// JSON: all of it up to [`MEDIA_WHOLE_BYTES`], else [`MEDIA_SAMPLE_BYTES`] at a fifth, two,
@@ -479,36 +485,42 @@ fn media_sample(raw: &[u8]) -> [&[u8]; 6] {
 
 /// Feeds a media part (its `{` at `at`): `"`, its kind, then for each member but `type` and
 /// `cache_control`, in the part's order: `"`, its name, `"`, its value's sample (see
-/// [`media_sample`]; preceded by the value's length when sampled). `cache_control` is a marker
-/// Anthropic clients move to their newest blocks each turn and the engines ignore: an image
-/// that had it in one turn and not in the next is the same prompt.
+/// [`media_sample`]; preceded by the value's length when sampled); then zeros up to
+/// [`MEDIA_STAND_IN_BYTES`]. `cache_control` is a marker Anthropic clients move to their newest
+/// blocks each turn and the engines ignore: an image that had it in one turn and not in the
+/// next is the same prompt.
 fn feed_media(c: &mut ChainBuilder<'_>, kind: &[u8], b: &[u8], at: usize) -> Result<(), ScanError> {
+    let mut fed = 1 + kind.len();
     c.feed(&[SEP]);
     c.feed(kind);
     let mut p = Scanner { b, i: at };
-    if !enter(&mut p, b'{', b'}')? {
-        return Ok(());
-    }
-    loop {
-        let name = member_name(&mut p)?;
-        let start = p.i;
-        p.skip_value()?;
-        if !matches!(&*name, b"type" | b"cache_control") {
-            let raw = b.get(start..p.i).unwrap_or_default();
-            c.feed(&[SEP]);
-            c.feed(&name);
-            c.feed(&[SEP]);
-            if raw.len() > MEDIA_WHOLE_BYTES {
-                c.feed(&(raw.len() as u64).to_le_bytes());
+    if enter(&mut p, b'{', b'}')? {
+        loop {
+            let name = member_name(&mut p)?;
+            let start = p.i;
+            p.skip_value()?;
+            if !matches!(&*name, b"type" | b"cache_control") {
+                let raw = b.get(start..p.i).unwrap_or_default();
+                c.feed(&[SEP]);
+                c.feed(&name);
+                c.feed(&[SEP]);
+                fed += 2 + name.len();
+                if raw.len() > MEDIA_WHOLE_BYTES {
+                    c.feed(&(raw.len() as u64).to_le_bytes());
+                    fed += 8;
+                }
+                for piece in media_sample(raw) {
+                    c.feed(piece);
+                    fed += piece.len();
+                }
             }
-            for piece in media_sample(raw) {
-                c.feed(piece);
+            if !object_next(&mut p)? {
+                break;
             }
         }
-        if !object_next(&mut p)? {
-            return Ok(());
-        }
     }
+    c.feed(&MEDIA_PADDING[..MEDIA_STAND_IN_BYTES.saturating_sub(fed)]);
+    Ok(())
 }
 
 /// `[{"type":"text","text":"..."}, {"type":"image_url",...}, ...]`: the text and media parts, in
@@ -1136,6 +1148,7 @@ mod tests {
                     } else if is_media_part(kind.as_bytes()) {
                         // Members in serde's order, values' raw JSON as serde writes them (test
                         // bodies write them so too).
+                        let begin = out.len();
                         out.push(SEP);
                         out.extend(kind.as_bytes());
                         for (name, value) in p {
@@ -1153,6 +1166,7 @@ mod tests {
                                 out.extend(piece);
                             }
                         }
+                        out.resize(out.len().max(begin + MEDIA_STAND_IN_BYTES), 0);
                     }
                 }
             }
@@ -1209,6 +1223,21 @@ mod tests {
         Some((Domain::Chat, out))
     }
 
+    /// The stream of a media part whose members' raw JSON is read whole (see `feed_media`).
+    fn media(kind: &str, members: &[(&str, &str)]) -> Vec<u8> {
+        let mut out = vec![SEP];
+        out.extend(kind.as_bytes());
+        for (name, raw) in members {
+            assert!(raw.len() <= MEDIA_WHOLE_BYTES);
+            out.push(SEP);
+            out.extend(name.as_bytes());
+            out.push(SEP);
+            out.extend(raw.as_bytes());
+        }
+        out.resize(MEDIA_STAND_IN_BYTES, 0);
+        out
+    }
+
     fn check_against_reference(body: &str, api: Api, c: &PrefixConfig) {
         let v: Json = serde_json::from_str(body).unwrap();
         let model = v.get("model").and_then(Json::as_str);
@@ -1243,7 +1272,13 @@ mod tests {
             {"call_id":"c1","output":"sunny, 24C","type":"function_call_output"},
             {"id":"msg_1","content":[{"type":"output_text","text":"Sunny, 24C.","annotations":[]}],"role":"assistant","status":"completed","type":"message"},
             {"type":"message","role":"user","content":[{"type":"input_text","text":"And tomorrow?"},{"image_url":"u","type":"input_image"}]}]}"#;
-        let stream = br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?"input_image"image_url""u""#;
+        let stream = [
+            &br#"system"You are terse."user"Weather in Lisbon?"function_call"get_weather"{\"city\":\"Lisbon\"}"function_call_output"sunny, 24C"assistant"Sunny, 24C."user"And tomorrow?"#[..],
+            &media("input_image", &[("image_url", r#""u""#)]),
+            b"\"",
+        ]
+        .concat();
+        let stream = &stream[..];
         assert_eq!(
             chain(body, Api::Responses, &c),
             direct(Domain::Chat, stream, Some("m"), &c)
@@ -1354,8 +1389,13 @@ mod tests {
                 true => format!(r#"{{"model":"m",{messages},"max_tokens":8,{system}}}"#),
             }
         };
-        let stream = br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"ok"image"source"{}Thanks""#;
-        let want = direct(Domain::Chat, stream, Some("m"), &c);
+        let stream = [
+            &br#"system"You are terse."user"Fix the test"assistant"Running it.bash"{"cmd":"make test"}"user"1 failed"assistant"Fixed."user"ok"#[..],
+            &media("image", &[("source", "{}")]),
+            b"Thanks\"",
+        ]
+        .concat();
+        let want = direct(Domain::Chat, &stream, Some("m"), &c);
         assert_eq!(chain(&body("a1", false), Api::Messages, &c), want);
         // Claude Code's billing block changes every request and is not read; the system may
         // come after the messages.
@@ -1616,7 +1656,18 @@ mod tests {
             chain(&png, Api::Chat, &c),
             direct(
                 Domain::Chat,
-                br#"user"describe this picture "image_url"image_url"{"url":"data:image/png;base64,AAAA"}"text""not me"please, in detail""#,
+                &[
+                    &br#"user"describe this picture "#[..],
+                    &media(
+                        "image_url",
+                        &[
+                            ("image_url", r#"{"url":"data:image/png;base64,AAAA"}"#),
+                            ("text", r#""not me""#),
+                        ]
+                    ),
+                    b"please, in detail\"",
+                ]
+                .concat(),
                 Some("m"),
                 &c
             )
@@ -1625,7 +1676,8 @@ mod tests {
         let other = chain(&image("data:image/png;base64,BBBB"), Api::Chat, &c);
         assert_ne!(other, chain(&png, Api::Chat, &c));
         assert_eq!(other[0], chain(&png, Api::Chat, &c)[0]);
-        // Inline base64 is sampled, not read: its length and five pieces of 32 bytes.
+        // Inline base64 is sampled, not read: its length and five pieces of 32 bytes, in a
+        // part that weighs its stand-in's 2 KiB (4 KiB of base64 read whole would be more).
         let big = |fill: u8, at: usize| {
             let mut b = vec![b'A'; 4000];
             b[at] = fill;
@@ -1634,8 +1686,11 @@ mod tests {
                 String::from_utf8(b).unwrap()
             ))
         };
+        let c = cfg(64, 4, 512);
         let sampled = chain(&big(b'A', 0), Api::Chat, &c);
-        assert!(sampled.len() < 20, "{} blocks", sampled.len());
+        let stand_in =
+            br#"user"describe this picture please, in detail""#.len() + MEDIA_STAND_IN_BYTES;
+        assert_eq!(sampled.len(), stand_in / 64);
         assert_eq!(
             chain(&big(b'B', 5), Api::Chat, &c),
             sampled,
@@ -1676,7 +1731,7 @@ mod tests {
     fn a_cache_control_marker_moving_off_a_media_block_keeps_the_prefix() {
         // Anthropic clients mark their newest blocks with `cache_control` and drop the marker
         // from older ones the next turn; the engines ignore it.
-        let c = cfg(16, 4, 64);
+        let c = cfg(64, 4, 512);
         let data: String = (0..3000)
             .map(|i| (b'A' + (i * 7 % 26) as u8) as char)
             .collect();
