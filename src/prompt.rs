@@ -429,7 +429,7 @@ fn is_text_part(kind: &[u8]) -> bool {
 }
 
 /// Content parts that carry media (images, audio, video, files) in chat, Responses and Messages
-/// bodies: read by [`media_sample`], not as text.
+/// bodies: read by [`feed_media`], not as text.
 fn is_media_part(kind: &[u8]) -> bool {
     matches!(
         kind,
@@ -446,7 +446,8 @@ fn is_media_part(kind: &[u8]) -> bool {
     )
 }
 
-/// A media part whose raw JSON is at most this long is read whole (a URL, a file id).
+/// A media part's member whose value's raw JSON is at most this long is read whole (a URL, a
+/// file id).
 const MEDIA_WHOLE_BYTES: usize = 512;
 /// Otherwise this many bytes are read at each of five places.
 const MEDIA_SAMPLE_BYTES: usize = 32;

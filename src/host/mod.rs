@@ -488,8 +488,8 @@ struct Filter {
     engine_rank: Option<u32>,
     /// The request came with a `content-length`, which an edited body must correct.
     has_content_length: bool,
-    /// The key's pin the placement wrote, held back until the request is sure to reach that
-    /// rank: in engine mode a body that must carry the rank and cannot be edited sends the
+    /// The key's pin the placement chose to write, held back until the request is sure to reach
+    /// its rank: in engine mode a body that must carry the rank and cannot be edited sends the
     /// request elsewhere (the engine places it) or nowhere (refused).
     pin_to_write: Option<(u64, u32, Tag)>,
 }
