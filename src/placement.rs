@@ -89,7 +89,7 @@ pub struct Plan {
     /// is when the request went home (see [`HomeBy`]).
     pub counters: [Option<Counter>; 3],
     /// The conversation tag and depth to store with the key's pin when it is written (see
-    /// [`conversation_tags`]).
+    /// `conversation_tags`).
     pub pin_tag: Tag,
 }
 
