@@ -726,10 +726,13 @@ impl Filter {
         if self.pending_body_edit().is_none() {
             return Action::Continue;
         }
-        match body {
+        let action = match body {
             Some(body) => self.edit_body(&body),
             None => self.body_not_editable(false),
-        }
+        };
+        // The body goes to the rank chosen (a body the filter could not edit dropped the pin).
+        self.write_pin();
+        action
     }
 
     fn decide_from_body(&mut self, body: Option<&[u8]>) -> Action {
@@ -778,15 +781,11 @@ impl Filter {
     fn edit_body(&mut self, body: &[u8]) -> Action {
         let rt = self.rt.clone();
         let Some(edit) = self.pending_body_edit() else {
-            self.write_pin();
             return Action::Continue;
         };
         let rewritten = match rewrite(body, edit) {
             Ok(Some(r)) => r,
-            Ok(None) => {
-                self.write_pin();
-                return Action::Continue;
-            }
+            Ok(None) => return Action::Continue,
             Err(_) => return self.body_not_editable(false),
         };
         if let Err(e) = abi::set_request_body(0, body.len(), &rewritten.body) {
@@ -808,7 +807,6 @@ impl Filter {
         if rewritten.removed > 0 {
             rt.counters.add(Counter::TargetBodyStripped, 1);
         }
-        self.write_pin();
         Action::Continue
     }
 
