@@ -2,8 +2,9 @@
 //! does about it. The rule keeps clients from faking a rank's failure:
 //!
 //! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own answer
-//!   that the rank could not be reached (connect failure, reset before the response, no healthy
-//!   upstream) at once; the rank's own 5xx, and Envoy's upstream time-outs, only once
+//!   that the rank could not be reached (connect failure, the rank's reset of the stream or the
+//!   connection before the response, no healthy upstream) at once — not the cluster's circuit
+//!   breaker or a stream refused for lack of room, which say it is busy; the rank's own 5xx, and Envoy's upstream time-outs, only once
 //!   `assign.failure_threshold` different requests got one within
 //!   `assign.failure_window_seconds` (strikes), and each request the rank serves (2xx) cancels
 //!   one. A time-out is a strike, not proof: a client that holds its own request open (a body it
@@ -32,7 +33,8 @@ pub enum Answer {
     RankUnreachable,
     /// Envoy's own 5xx because the rank did not answer in time.
     RankTimeout,
-    /// Envoy's own 5xx for another reason (overload, a missing cluster, …): not the rank's.
+    /// Envoy's own 5xx for another reason (overload, the cluster's circuit breaker, a stream the
+    /// rank refused for lack of room, a missing cluster, …): not proof the rank is failing.
     ProxyError,
     /// The stream ended with no response at all (client gone, stream reset).
     Unanswered,
@@ -41,11 +43,43 @@ pub enum Answer {
 /// Envoy's `response.code_details` for answers the upstream sent.
 const VIA_UPSTREAM: &[u8] = b"via_upstream";
 
-/// Prefixes of Envoy's `response.code_details` that mean the rank could not be reached.
-const UNREACHABLE: [&[u8]; 2] = [
-    b"upstream_reset_before_response_started",
-    b"no_healthy_upstream",
+/// Envoy's `response.code_details` when no endpoint of the rank's cluster is healthy.
+const NO_HEALTHY_UPSTREAM: &[u8] = b"no_healthy_upstream";
+
+/// Envoy's `response.code_details` for an upstream stream reset before any response, followed by
+/// `{reason}` (and, for a connect failure, the transport's own reason after it).
+const RESET_BEFORE_RESPONSE: &[u8] = b"upstream_reset_before_response_started{";
+
+/// The reset reasons (Envoy's names, spaces as `_`) that say the rank itself could not be reached
+/// or broke the exchange. The others do not: `overflow` is the cluster's circuit breaker (the
+/// rank is busy, and a client holding many requests on a rank it names could trip it),
+/// `remote_refused_stream_reset` the rank declining a stream it has no room for, and the local
+/// resets and `overload_manager_reset` are Envoy's own doing.
+const RANK_RESETS: [&[u8]; 7] = [
+    b"connection_failure", // older Envoy: one reason for both sides
+    b"local_connection_failure",
+    b"remote_connection_failure",
+    b"connection_timeout",
+    b"connection_termination",
+    b"remote_reset",
+    b"protocol_error",
 ];
+
+/// Whether `details` say the rank could not be reached (see [`RANK_RESETS`]).
+fn unreachable(details: &[u8]) -> bool {
+    if details.starts_with(NO_HEALTHY_UPSTREAM) {
+        return true;
+    }
+    let Some(reason) = details.strip_prefix(RESET_BEFORE_RESPONSE) else {
+        return false;
+    };
+    // The reason ends at `}`, or at `|` / `,` before the transport's detail.
+    let end = reason
+        .iter()
+        .position(|&c| matches!(c, b'}' | b'|' | b','))
+        .unwrap_or(reason.len());
+    RANK_RESETS.contains(&&reason[..end])
+}
 
 /// Prefixes of Envoy's `response.code_details` for an upstream that did not answer in time.
 const TIMED_OUT: [&[u8]; 4] = [
@@ -64,7 +98,7 @@ pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
         0 | 500..=599 => match details {
             None => Answer::RankError,
             Some(d) if d == VIA_UPSTREAM => Answer::RankError,
-            Some(d) if UNREACHABLE.iter().any(|p| d.starts_with(p)) => Answer::RankUnreachable,
+            Some(d) if unreachable(d) => Answer::RankUnreachable,
             Some(d) if TIMED_OUT.iter().any(|p| d.starts_with(p)) => Answer::RankTimeout,
             Some(_) => Answer::ProxyError,
         },
@@ -164,6 +198,43 @@ mod tests {
                 Some(&b"no_healthy_upstream"[..]),
                 Answer::RankUnreachable,
             ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{connection_termination}"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{connection_failure,delayed_connect_error:_111}"[..]),
+                Answer::RankUnreachable,
+            ),
+            // Busy, not broken: the cluster's circuit breaker, a stream refused for lack of room.
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{overflow}"[..]),
+                Answer::ProxyError,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{remote_refused_stream_reset}"[..]),
+                Answer::ProxyError,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{overload_manager_reset}"[..]),
+                Answer::ProxyError,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{remote_reset_is_not_a_reason}"[..]),
+                Answer::ProxyError,
+            ),
+            (503, Some(&b"upstream_reset_before_response_started"[..]), Answer::ProxyError),
             (
                 504,
                 Some(&b"upstream_response_timeout"[..]),

@@ -222,6 +222,71 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
     }
 }
 
+/// A rank's circuit breaker saying it is busy is not evidence that it fails: a client holding
+/// requests on a rank it names (or plain load) trips it, and the filter's own request then gets
+/// Envoy's `503` (`upstream_reset_before_response_started{overflow}`). That unpins only that
+/// request's key; the rank is not cooled down and its other conversations stay.
+#[test]
+fn a_ranks_circuit_breaker_overflow_cools_nothing_down() {
+    let stack = Stack::start(
+        "load_overflow",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "hash", "cooldown_seconds": 60 }
+        })))
+        .rank_max_requests(1)
+        .mock_args(&["--stream-interval-ms", "200"]),
+    );
+    let keys: Vec<String> = (0..24).map(|i| format!("o-{i}")).collect();
+    let ranks = pin_keys(&stack, &keys);
+    let target = ranks[0];
+    let on_target: Vec<&String> = keys
+        .iter()
+        .zip(&ranks)
+        .filter(|(_, &r)| r == target)
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        on_target.len() >= 3,
+        "too few keys on rank {target}: {ranks:?}"
+    );
+    // A client holds the rank's one request slot with a stream on the rank it names (2 s).
+    let hold = chat(json!({ "stream": true, "max_tokens": 10 }))
+        .header(RANK_HEADER, &target.to_string())
+        .encode(true);
+    let mut held = TcpStream::connect(stack.addr()).expect("connect");
+    held.write_all(&hold).expect("write");
+    let mut start = [0u8; 256];
+    let n = held.read(&mut start).expect("read the stream's start");
+    assert!(
+        String::from_utf8_lossy(&start[..n]).starts_with("HTTP/1.1 200"),
+        "the held stream did not start: {:?}",
+        String::from_utf8_lossy(&start[..n])
+    );
+    let overflowed = stack.send(&keyed(on_target[0]));
+    assert_eq!(overflowed.status, 503, "{}", overflowed.text());
+    assert!(
+        overflowed.text().contains("overflow"),
+        "not the circuit breaker: {}",
+        overflowed.text()
+    );
+    let mut rest = Vec::new();
+    held.read_to_end(&mut rest).expect("read the held stream");
+    let counters = stack.settled();
+    assert_eq!(counters.get("unpinned"), 1);
+    assert_eq!(counters.get("rank_cooldown"), 0);
+    assert_eq!(
+        gauges(&stack.envoy, "rank_cooling_down")[target as usize],
+        0
+    );
+    for k in &on_target[1..] {
+        assert_eq!(
+            served_rank(&stack.send(&keyed(k))),
+            target,
+            "{k} moved off a rank that was only busy"
+        );
+    }
+}
+
 fn served_rank_of(response: &Response) -> u32 {
     response
         .header("x-dp-rank")

@@ -74,6 +74,8 @@ pub struct EnvoyConfig {
     /// The connection manager's `http_protocol_options.enable_trailers`: without it Envoy's
     /// HTTP/1 codec drops the trailers of a chunked request, so filters never see them.
     pub http1_trailers: bool,
+    /// The per-rank clusters' circuit breaker (`max_requests`); `None` keeps Envoy's default (1024).
+    pub rank_max_requests: Option<u32>,
 }
 
 /// The routes' `per_try_idle_timeout` in the shipped configs.
@@ -98,6 +100,7 @@ impl EnvoyConfig {
             max_request_headers_kb: None,
             lds: false,
             http1_trailers: false,
+            rank_max_requests: None,
         }
     }
 }
@@ -292,7 +295,14 @@ fn clusters(config: &EnvoyConfig) -> Vec<Value> {
     let mut clusters: Vec<Value> = rank_ports
         .iter()
         .enumerate()
-        .map(|(rank, port)| static_cluster(&format!("dp-rank-{rank}"), &[*port], "ROUND_ROBIN"))
+        .map(|(rank, port)| {
+            let mut cluster = static_cluster(&format!("dp-rank-{rank}"), &[*port], "ROUND_ROBIN");
+            if let Some(max) = config.rank_max_requests {
+                cluster["circuit_breakers"] =
+                    json!({ "thresholds": [{ "priority": "DEFAULT", "max_requests": max }] });
+            }
+            cluster
+        })
         .collect();
     let mut all = static_cluster(ALL_RANKS_CLUSTER, rank_ports, "LEAST_REQUEST");
     all["circuit_breakers"] =

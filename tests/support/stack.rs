@@ -37,6 +37,8 @@ pub struct StackOptions {
     pub max_request_headers_kb: Option<u32>,
     /// Let HTTP/1 requests carry trailers to the filter (`EnvoyConfig::http1_trailers`).
     pub http1_trailers: bool,
+    /// The per-rank clusters' circuit breaker (`EnvoyConfig::rank_max_requests`).
+    pub rank_max_requests: Option<u32>,
 }
 
 impl StackOptions {
@@ -54,7 +56,14 @@ impl StackOptions {
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
             max_request_headers_kb: None,
             http1_trailers: false,
+            rank_max_requests: None,
         }
+    }
+
+    /// Gives each rank's cluster a circuit breaker of `max` requests at once.
+    pub fn rank_max_requests(mut self, max: u32) -> StackOptions {
+        self.rank_max_requests = Some(max);
+        self
     }
 
     /// Lets HTTP/1 requests carry trailers to the filter.
@@ -169,6 +178,7 @@ impl Stack {
         config.buffer_limit_bytes = options.buffer_limit_bytes;
         config.max_request_headers_kb = options.max_request_headers_kb;
         config.http1_trailers = options.http1_trailers;
+        config.rank_max_requests = options.rank_max_requests;
         if options.engine {
             config.topology = Topology::SingleEngine;
         }
