@@ -44,6 +44,8 @@ pub(crate) enum Domain {
 pub struct PrefixHasher {
     /// Hashes model names.
     model: KeyedHasher,
+    /// Hashes tool definitions (a request's `tools`, raw JSON).
+    tools: KeyedHasher,
     /// The model key of a body without a string `model`.
     no_model: u64,
     /// Initial lane values of every block.
@@ -62,18 +64,24 @@ impl PrefixHasher {
             KeyedHasher::from_seed(&s)
         };
         let model = tagged(b"\0dp-affinity/prefix/model");
+        let tools = tagged(b"\0dp-affinity/prefix/tools");
         let derive = tagged(b"\0dp-affinity/prefix/keys");
         let k = |i: u8| derive.hash(&[i]);
         PrefixHasher {
             model,
+            tools,
             no_model: k(0),
             lanes: [k(1), k(2), k(3), k(4)],
             domains: [k(5), k(6), k(7)],
         }
     }
 
-    fn model_key(&self, model: Option<&[u8]>) -> u64 {
-        model.map_or(self.no_model, |m| self.model.hash(m))
+    /// What seeds every block of a chain: the model, and the tool definitions when there are
+    /// some (they are rendered into the prompt near its start, so requests with other tools share
+    /// nothing the index can promise).
+    fn seed_key(&self, model: Option<&[u8]>, tools: Option<&[u8]>) -> u64 {
+        let model = model.map_or(self.no_model, |m| self.model.hash(m));
+        model ^ tools.map_or(0, |t| self.tools.hash(t))
     }
 }
 
@@ -484,11 +492,12 @@ impl<'h> ChainBuilder<'h> {
         self.filled = 0;
     }
 
-    pub(crate) fn finish(mut self, model: Option<&[u8]>) -> Chain {
+    /// The chain, every block seeded by `model` and `tools` (see `PrefixHasher::seed_key`).
+    pub(crate) fn finish(mut self, model: Option<&[u8]>, tools: Option<&[u8]>) -> Chain {
         if self.unusable || self.domain.is_none() {
             return Chain::default();
         }
-        let key = self.h.model_key(model);
+        let key = self.h.seed_key(model, tools);
         for h in &mut self.hashes {
             *h = fmix64(*h ^ key);
         }
@@ -543,7 +552,7 @@ pub(crate) mod tests {
         let mut b = ChainBuilder::new(&h, c);
         b.begin(domain);
         b.feed(stream);
-        b.finish(model.map(str::as_bytes)).hashes
+        b.finish(model.map(str::as_bytes), None).hashes
     }
 
     /// A walk recorded and replayed after a prefix fed later gives the chain (and opening) of
@@ -566,7 +575,7 @@ pub(crate) mod tests {
             direct.begin(Domain::Chat);
             direct.feed(b"system\"lead\"");
             walk(&mut direct);
-            let want = direct.finish(Some(b"m"));
+            let want = direct.finish(Some(b"m"), None);
 
             let mut recorded = ChainBuilder::new(&h, &c);
             recorded.begin(Domain::Chat);
@@ -577,7 +586,7 @@ pub(crate) mod tests {
             recorded.restart().begin(Domain::Chat);
             recorded.feed(b"system\"lead\"");
             recorded.replay(&body, &recording);
-            let got = recorded.finish(Some(b"m"));
+            let got = recorded.finish(Some(b"m"), None);
             assert_eq!(got.hashes(), want.hashes(), "max_blocks {max_blocks}");
             assert_eq!(got.opening(), want.opening(), "max_blocks {max_blocks}");
             assert_eq!(got.capped(), want.capped());
@@ -656,7 +665,7 @@ pub(crate) mod tests {
                     b.feed(now);
                     rest = later;
                 }
-                assert_eq!(b.finish(None).hashes, want, "block {block}");
+                assert_eq!(b.finish(None, None).hashes, want, "block {block}");
             }
         }
         // Token ids pushed one at a time equal their bytes fed at once.
@@ -669,7 +678,7 @@ pub(crate) mod tests {
                 b.push_u32(id);
             }
             assert_eq!(
-                b.finish(None).hashes,
+                b.finish(None, None).hashes,
                 direct(Domain::Tokens, &ids(&v), None, &c)
             );
         }

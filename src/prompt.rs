@@ -34,7 +34,10 @@
 //! The `model` member (anywhere in the object, raw bytes, last one wins) seeds the chain so that
 //! models never share entries. It may come after the prompt, so the walk hashes a
 //! model-independent chain and mixes the model into each block hash at the end (at most
-//! `max_blocks` values). A prompt member present twice: the last one wins, as in serde and
+//! `max_blocks` values). A chat, Responses or Messages body's `tools` (raw JSON, anywhere, last
+//! one wins; `null` and `[]` are none) seeds it the same way: the engines render the tool
+//! definitions into the prompt near its start, so other tools mean no shared prefix, and a
+//! seed costs no blocks. A prompt member present twice: the last one wins, as in serde and
 //! Python; inside a message a duplicated `role` or `content` makes the prompt unusable.
 //!
 //! Only full blocks are hashed (`block_bytes` bytes of text, `block_tokens` ids): a partial last
@@ -101,6 +104,12 @@ impl Api {
         }
     }
 
+    /// Whether the API takes tool definitions (`tools`), which the engines render into the
+    /// prompt.
+    fn reads_tools(self) -> bool {
+        matches!(self, Api::Chat | Api::Responses | Api::Messages)
+    }
+
     fn is_prompt_field(self, name: &[u8]) -> bool {
         match self {
             Api::Chat => name == b"messages",
@@ -150,7 +159,9 @@ pub fn scan_prompt<'a>(
     let (mut s, _, empty) = Scanner::open_object(body)?;
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;
+    let mut tools: Option<(usize, usize)> = None;
     let mut split = SplitPrompt::default();
+    let mut generate = GeneratePrompt::default();
     if !empty {
         loop {
             let name = member_name(&mut s)?;
@@ -162,8 +173,10 @@ pub fn scan_prompt<'a>(
                     s.skip_value()?;
                     None
                 };
+            } else if name.as_ref() == b"tools" && api.reads_tools() {
+                tools = tool_definitions(&mut s)?;
             } else if api.is_prompt_field(&name) {
-                walk_prompt_member(api, &name, &mut s, &mut chain, &mut split)?;
+                walk_prompt_member(api, &name, &mut s, &mut chain, &mut split, &mut generate)?;
             }
             match wanted.iter().position(|w| w.as_bytes() == &*name) {
                 Some(idx) if s.i == start => found(idx, s.value()?),
@@ -184,11 +197,25 @@ pub fn scan_prompt<'a>(
         }
     }
     s.expect_end()?;
-    if matches!(api, Api::Responses | Api::Messages) {
-        split.finish(api, body, &mut chain)?;
+    match api {
+        Api::Responses | Api::Messages => split.finish(api, body, &mut chain)?,
+        Api::Generate => generate.finish(body, &mut chain)?,
+        Api::Chat | Api::Completions => {}
     }
     let model = model.map(|span| bytes(body, span));
-    Ok(chain.finish(model))
+    let tools = tools.map(|span| bytes(body, span));
+    Ok(chain.finish(model, tools))
+}
+
+/// The span of the `tools` value at the cursor (raw JSON, any shape), or `None` for `null` or an
+/// empty list: templates render no tools for either (Jinja's `if tools` is false for both).
+fn tool_definitions(s: &mut Scanner<'_>) -> Result<Option<(usize, usize)>, ScanError> {
+    let start = s.i;
+    s.skip_value()?;
+    let raw = bytes(s.b, (start, s.i));
+    let inner = raw.strip_prefix(b"[").and_then(|r| r.strip_suffix(b"]"));
+    let empty = raw == b"null" || inner.is_some_and(|i| i.iter().all(u8::is_ascii_whitespace));
+    Ok((!empty).then_some((start, s.i)))
 }
 
 /// Walks a member that is part of `api`'s prompt (`Api::is_prompt_field`). Not inlined: it is
@@ -200,14 +227,55 @@ fn walk_prompt_member(
     s: &mut Scanner<'_>,
     chain: &mut ChainBuilder<'_>,
     split: &mut SplitPrompt,
+    generate: &mut GeneratePrompt,
 ) -> Result<(), ScanError> {
     match api {
         Api::Chat => walk_messages(s, chain.restart()),
-        // `/generate` takes `text` or `input_ids`: a null one is absent (as SGLang reads it), not
-        // an empty prompt. Clients that dump a whole request object send the other one as null.
-        Api::Generate if s.peek() == Some(b'n') => s.skip_value(),
-        Api::Completions | Api::Generate => walk_text_or_ids(s, chain.restart()),
+        Api::Completions => walk_text_or_ids(s, chain.restart()),
+        Api::Generate => generate.member(name, s, chain),
         Api::Responses | Api::Messages => split.member(api, name, s, chain),
+    }
+}
+
+/// `/generate`'s prompt: `text` or `input_ids`, each walked where it stands (the last one present
+/// twice wins). A null one is absent (as SGLang reads it), not an empty prompt: clients that dump
+/// a whole request object send the other one as null. A null after a value of the same member
+/// replaces it, so the chain it gave is dropped and the other member's last value, if any, is
+/// walked again at the end.
+#[derive(Default)]
+struct GeneratePrompt {
+    /// The member the chain was walked from: 0 `text`, 1 `input_ids`.
+    walked: Option<usize>,
+    /// Where each member's last value starts; `None`: absent, or null last.
+    at: [Option<usize>; 2],
+}
+
+impl GeneratePrompt {
+    fn member(
+        &mut self,
+        name: &[u8],
+        s: &mut Scanner<'_>,
+        c: &mut ChainBuilder<'_>,
+    ) -> Result<(), ScanError> {
+        let member = usize::from(name == b"input_ids");
+        if s.peek() == Some(b'n') {
+            self.at[member] = None;
+            return s.skip_value();
+        }
+        self.at[member] = Some(s.i);
+        self.walked = Some(member);
+        walk_text_or_ids(s, c.restart())
+    }
+
+    fn finish(&self, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        let Some(walked) = self.walked.filter(|&m| self.at[m].is_none()) else {
+            return Ok(());
+        };
+        let c = c.restart();
+        match self.at[1 - walked] {
+            Some(at) => walk_text_or_ids(&mut Scanner { b: body, i: at }, c),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1766,6 +1834,78 @@ mod tests {
         }
     }
 
+    /// The tool definitions are rendered into the prompt near its start: requests with other
+    /// tools share nothing, wherever `tools` stands in the body; no tools, `null` and `[]` read
+    /// alike. APIs without tools ignore the member.
+    #[test]
+    fn tool_definitions_seed_the_chain() {
+        let c = cfg(16, 4, 64);
+        let messages = r#""messages":[{"role":"system","content":"You are an agent with tools."},{"role":"user","content":"List the files in the current folder, please."}]"#;
+        let tools_a = r#"[{"type":"function","function":{"name":"ls","parameters":{}}}]"#;
+        let tools_b = r#"[{"type":"function","function":{"name":"cat","parameters":{}}}]"#;
+        let with = |tools: &str| format!(r#"{{"model":"m",{messages},"tools":{tools}}}"#);
+        let without = chain(&format!(r#"{{"model":"m",{messages}}}"#), Api::Chat, &c);
+        assert!(without.len() >= 4);
+        let a = chain(&with(tools_a), Api::Chat, &c);
+        assert_eq!(a.len(), without.len());
+        assert!(
+            a.iter().zip(&without).all(|(x, y)| x != y),
+            "tools change every block"
+        );
+        let b = chain(&with(tools_b), Api::Chat, &c);
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x != y),
+            "other tools, other chain"
+        );
+        let before = format!(r#"{{"tools":{tools_a},"model":"m",{messages}}}"#);
+        assert_eq!(chain(&before, Api::Chat, &c), a, "where `tools` stands");
+        let twice = format!(r#"{{"tools":{tools_b},"model":"m",{messages},"tools":{tools_a}}}"#);
+        assert_eq!(chain(&twice, Api::Chat, &c), a, "the last `tools` wins");
+        for none in ["null", "[]", "[ \n ]"] {
+            assert_eq!(chain(&with(none), Api::Chat, &c), without, "tools {none}");
+        }
+        let unset = format!(r#"{{"tools":{tools_a},"model":"m",{messages},"tools":null}}"#);
+        assert_eq!(chain(&unset, Api::Chat, &c), without, "a later null unsets");
+        // Responses and Messages read it too; completions take no tools.
+        let input = r#""input":"List the files in the current folder, please.","instructions":"You are an agent with tools.""#;
+        let responses = |tools: &str| {
+            chain(
+                &format!(r#"{{"model":"m",{input},"tools":{tools}}}"#),
+                Api::Responses,
+                &c,
+            )
+        };
+        assert_ne!(responses(tools_a), responses(tools_b));
+        assert_eq!(
+            responses("null"),
+            chain(&format!(r#"{{"model":"m",{input}}}"#), Api::Responses, &c)
+        );
+        let anthropic = |tools: &str| {
+            chain(
+                &format!(r#"{{"model":"m","system":"You are an agent with tools.",{messages},"tools":{tools}}}"#)
+                    .replace(r#"{"role":"system","content":"You are an agent with tools."},"#, ""),
+                Api::Messages,
+                &c,
+            )
+        };
+        assert_ne!(anthropic(tools_a), anthropic(tools_b));
+        assert!(!anthropic(tools_a).is_empty());
+        let prompt =
+            r#""prompt":"List the files in the current folder, please, and then some more.""#;
+        assert_eq!(
+            chain(
+                &format!(r#"{{"model":"m",{prompt},"tools":{tools_a}}}"#),
+                Api::Completions,
+                &c
+            ),
+            chain(
+                &format!(r#"{{"model":"m",{prompt}}}"#),
+                Api::Completions,
+                &c
+            )
+        );
+    }
+
     #[test]
     fn chat_tool_calls_are_part_of_the_prompt() {
         let c = cfg(8, 2, 64);
@@ -1864,7 +2004,31 @@ mod tests {
         let text_want = direct(Domain::Text, text.as_bytes(), Some("m"), &c);
         assert_eq!(chain(&g_null, Api::Generate, &c), text_want);
         assert_eq!(chain(&g_null_after, Api::Generate, &c), text_want);
-        for body in [gen_null, gen_null_after, &g_null, &g_null_after] {
+        // A later null replaces the same member's earlier value (the last one wins): the other
+        // member's value is the prompt, or there is none.
+        let text_then_null = format!(
+            r#"{{"input_ids":[1,2,3,4,5,4294967294,0],"text":"{text}","model":"m","text":null}}"#
+        );
+        assert_eq!(chain(&text_then_null, Api::Generate, &c), want);
+        let ids_then_null = format!(
+            r#"{{"text":"{text}","input_ids":[1,2,3,4,5,4294967294,0],"input_ids":null,"model":"m"}}"#
+        );
+        assert_eq!(chain(&ids_then_null, Api::Generate, &c), text_want);
+        let only_null = format!(r#"{{"text":"{text}","text":null,"model":"m"}}"#);
+        assert_eq!(
+            chain(&only_null, Api::Generate, &c),
+            chain(r#"{"model":"m"}"#, Api::Generate, &c)
+        );
+        assert!(chain(&only_null, Api::Generate, &c).is_empty());
+        for body in [
+            gen_null,
+            gen_null_after,
+            &g_null,
+            &g_null_after,
+            &text_then_null,
+            &ids_then_null,
+            &only_null,
+        ] {
             check_against_reference(body, Api::Generate, &c);
         }
         let lists = r#"{"prompt":[[1,2,3],[4]]}"#;

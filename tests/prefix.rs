@@ -443,6 +443,54 @@ fn one_question_about_many_pictures_spreads_and_each_conversation_keeps_its_rank
     assert_kept_and_spread("chats about pictures", &homes, &moved);
 }
 
+/// One task run by 16 agents that differ only by their tools (an evaluation harness comparing
+/// tool sets): the same messages, each agent its own `tools`, three turns each, with the shipped
+/// defaults. The engines render the tools into the prompt near its start, so the agents share
+/// no cached prefix: they spread by their homes and each keeps its rank (the filter before it
+/// read `tools` sent all 16 to the rank of the first one's identical-looking prompt).
+#[test]
+fn one_task_run_by_agents_with_different_tools_spreads_and_each_keeps_its_rank() {
+    const AGENTS: usize = 16;
+    let stack = Stack::start(
+        "prefix_tools",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let tools = |a: usize| {
+        json!([{ "type": "function", "function": {
+            "name": format!("tool_{a}"),
+            "description": format!("Tool number {a}: searches the repository its own way."),
+            "parameters": { "type": "object", "properties": { "query": { "type": "string" } } }
+        }}])
+    };
+    let task = "Find why the nightly build fails and propose a fix. ".repeat(40);
+    let mut histories: Vec<Vec<Value>> = (0..AGENTS)
+        .map(|_| {
+            vec![
+                json!({ "role": "system", "content": "You are a careful coding agent." }),
+                json!({ "role": "user", "content": task }),
+            ]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); AGENTS];
+    for turn in 0..3 {
+        for (a, history) in histories.iter_mut().enumerate() {
+            let request = Request::post("/v1/chat/completions")
+                .json(&json!({ "model": "mock", "messages": history, "tools": tools(a) }));
+            ranks[a].push(served_rank(&stack.send(&request)));
+            let answer = format!("Agent {a} looked at the logs, turn {turn}. ").repeat(8);
+            history.push(json!({ "role": "assistant", "content": answer }));
+            history.push(json!({ "role": "user", "content": format!("Go on, step {turn}.") }));
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{AGENTS} agents with their own tools on one task: first turns per rank {homes:?}, {} \
+         moved: {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("agents with their own tools", &homes, &moved);
+}
+
 /// Agent loops on the OpenAI Responses API (`/v1/responses`, as the OpenAI Agents SDK sends them
 /// by default), with the shipped defaults: shared `instructions`, then each session's task, and
 /// per turn the items the server returned (a function call, as the SDK sends it back with its
