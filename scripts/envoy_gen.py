@@ -75,10 +75,10 @@ def wasm_filter(wasm, plugin_json, vm_id="dp_affinity"):
 def _routes(policy, dp_size):
     if policy.startswith("filter"):
         return """              - match: { prefix: "/", headers: [ { name: x-dp-affinity-cluster, present_match: true } ] }
-                route: { cluster_header: x-dp-affinity-cluster, timeout: 0s, retry_policy: { per_try_idle_timeout: 300s } }
+                route: { cluster_header: x-dp-affinity-cluster, timeout: 0s, retry_policy: { per_try_idle_timeout: 290s } }
                 request_headers_to_remove: [x-dp-affinity-cluster]
               - match: { prefix: "/" }
-                route: { cluster: dp-all, timeout: 0s, retry_policy: { per_try_idle_timeout: 300s } }
+                route: { cluster: dp-all, timeout: 0s, retry_policy: { per_try_idle_timeout: 290s } }
 """
     if policy == "envoy-hash":
         clusters = "\n".join(

@@ -5,7 +5,8 @@
 #
 # Use `make run`, which installs the tools and builds first. Extra arguments go to Envoy, e.g.
 #   scripts/run.sh --component-log-level wasm:debug
-# Environment: ENVOY (binary), MOCK (binary), LOG_LEVEL (Envoy's, default info).
+# Environment: ENVOY (binary), MOCK (binary), DP_AFFINITY_WASM (the filter; default the path
+# envoy/envoy.yaml names), LOG_LEVEL (Envoy's, default info).
 set -euo pipefail
 
 # envoy/envoy.yaml names the wasm by a path relative to the repository root, and Envoy resolves
@@ -14,7 +15,9 @@ cd "$(dirname "$0")/.."
 
 ENVOY="${ENVOY:-${DP_AFFINITY_ENVOY:-.tools/venv/bin/envoy}}"
 MOCK="${MOCK:-${DP_AFFINITY_MOCK:-target/release/mock-rank}}"
-WASM="target/wasm32-wasip1/release/dp_affinity.wasm"
+# The path envoy/envoy.yaml names; `make run` passes the build's own (CARGO_TARGET_DIR).
+SHIPPED_WASM="target/wasm32-wasip1/release/dp_affinity.wasm"
+WASM="${DP_AFFINITY_WASM:-$SHIPPED_WASM}"
 CONFIG="envoy/envoy.yaml"
 LOG_LEVEL="${LOG_LEVEL:-info}"
 RANKS=4
@@ -39,6 +42,11 @@ for port in $LISTEN_PORT $ADMIN_PORT $(seq $BASE_PORT $((BASE_PORT + RANKS - 1))
 done
 
 LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/dp-affinity-run.XXXXXX")"
+# Another build than the shipped path: run a copy of the config that names it.
+if [ "$WASM" != "$SHIPPED_WASM" ]; then
+    sed "s|filename: $SHIPPED_WASM|filename: $WASM|" "$CONFIG" > "$LOG_DIR/envoy.yaml"
+    CONFIG="$LOG_DIR/envoy.yaml"
+fi
 PIDS=()
 
 # Stops every child we started, then waits for them so no process outlives the script. Runs once
@@ -109,7 +117,7 @@ cat <<EOF
   Envoy    http://127.0.0.1:$LISTEN_PORT   admin http://127.0.0.1:$ADMIN_PORT
   ranks    127.0.0.1:$BASE_PORT..$((BASE_PORT + RANKS - 1)) (logs in $LOG_DIR)
 
-  # routing key: the first request is balanced, the next ones stick to the same rank
+  # routing key: the first request is placed (its key's home), the next ones stick to it
   curl -si localhost:$LISTEN_PORT/v1/chat/completions -H 'content-type: application/json' \\
        -H 'x-routing-key: conv-1' -d '{"model":"m","messages":[{"role":"user","content":"hi"}]}' | grep -i x-dp-rank
   # key in the body (OpenAI prompt_cache_key), streamed

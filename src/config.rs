@@ -155,13 +155,16 @@ struct RawAssign {
     room_field: String,
 }
 
+/// `assign.pinned_load_factor` when not set.
+const DEFAULT_PINNED_LOAD_FACTOR: f64 = 2.0;
+
 impl Default for RawAssign {
     fn default() -> Self {
         RawAssign {
             mode: "hash".into(),
             seed: String::new(),
             load_factor: 1.25,
-            pinned_load_factor: 2.0,
+            pinned_load_factor: DEFAULT_PINNED_LOAD_FACTOR,
             min_capacity: 8,
             cooldown_seconds: 10,
             failure_threshold: 3,
@@ -925,9 +928,11 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
         return Err(err("assign.load_factor", "must be in 1.0..=100.0"));
     }
     if !(raw.load_factor..=100.0).contains(&raw.pinned_load_factor) {
+        // Often left at its default (2.0) while load_factor is raised past it: say so. (No
+        // number is formatted: float formatting alone would add ~20 KB to the module.)
         return Err(err(
             "assign.pinned_load_factor",
-            "must be in assign.load_factor..=100.0",
+            "must be in assign.load_factor..=100.0 (its default, 2.0, is below a load_factor raised past it: set both)",
         ));
     }
     if raw.room_field.is_empty() {
@@ -1145,6 +1150,14 @@ fn check_target_body_fields(
 
 fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
     for (addr, &rank) in &raw.upstream_addresses {
+        if !is_ip_and_port(addr) {
+            return Err(err(
+                "learn.upstream_addresses",
+                format!(
+                    "{addr:?} is not an address as Envoy reports it (\"10.0.0.5:8000\", \"[fd00::5]:8000\"): it would never match"
+                ),
+            ));
+        }
         if rank >= dp_size {
             return Err(err(
                 "learn.upstream_addresses",
@@ -1156,6 +1169,26 @@ fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError
         response_header: optional_header("learn.response_header", &raw.response_header)?,
         upstream_addresses: raw.upstream_addresses,
     })
+}
+
+/// Whether `addr` has the shape of Envoy's `upstream.address`: an IPv4 address or a bracketed
+/// IPv6 address, `:`, a port. The characters only, not the values: enough to catch a host name, a
+/// missing port or a URL, which would never match.
+fn is_ip_and_port(addr: &str) -> bool {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = !port.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0);
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => {
+            v6.contains(':')
+                && v6
+                    .bytes()
+                    .all(|c| c.is_ascii_hexdigit() || c == b':' || c == b'.')
+        }
+        None => host.contains('.') && host.bytes().all(|c| c.is_ascii_digit() || c == b'.'),
+    };
+    port_ok && host_ok
 }
 
 fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> {
@@ -1828,6 +1861,19 @@ mod tests {
     }
 
     #[test]
+    fn upstream_addresses_take_envoys_address_shapes() {
+        let json = r#"{"dp_size":4,"learn":{"upstream_addresses":{"127.0.0.1:18000":0,"[::1]:8000":1,"[fd00::5]:30001":2}}}"#;
+        let c = parse(json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.learn.upstream_addresses.len(), 3);
+        let e = parse(r#"{"dp_size":4,"learn":{"upstream_addresses":{"10.0.0.5":1}}}"#)
+            .expect_err("an address without a port is refused");
+        assert!(e.to_string().contains("would never match"), "{e}");
+        let e = parse(r#"{"dp_size":4,"assign":{"load_factor":3.0}}"#)
+            .expect_err("a load factor over the pinned one is refused");
+        assert!(e.to_string().contains("its default, 2.0, is below"), "{e}");
+    }
+
+    #[test]
     fn an_empty_hash_seed_is_warned_about() {
         let warned = parse(r#"{"dp_size":4}"#).unwrap().warnings();
         assert_eq!(warned.len(), 1, "{warned:?}");
@@ -1895,6 +1941,26 @@ mod tests {
             (
                 r#"{"dp_size":4,"learn":{"upstream_addresses":{"1.2.3.4:80":4}}}"#,
                 "learn.upstream_addresses",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"notanaddr":1}}}"#,
+                "learn.upstream_addresses",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"10.0.0.5":1}}}"#,
+                "learn.upstream_addresses",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"rank-1.llm.svc:8000":1}}}"#,
+                "learn.upstream_addresses",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"::1:8000":1}}}"#,
+                "learn.upstream_addresses",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"load_factor":3.0}}"#,
+                "assign.pinned_load_factor",
             ),
             (r#"not json"#, "configuration"),
             (r#"{"dp_size":4,"assign":{"mode":"random"}}"#, "assign.mode"),

@@ -76,6 +76,7 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
                 Err(RankError {
                     field: cfg.explicit.header.clone(),
                     problem: "was sent several times with different values".into(),
+                    conflict: true,
                 })
             } else {
                 rank_from_header(cfg, value)
@@ -220,13 +221,24 @@ pub fn resolve_key(
 /// depend on the request: a `RankError` quotes at most `extract::QUOTE_MAX_BYTES` of the value
 /// (a few hundred bytes in all), so a megabyte rank field cannot be echoed or copied here.
 pub fn reject(cfg: &Config, e: &RankError) -> Rejection {
-    let message = format!(
-        "{} must be an integer in 0..={} (dp_size {}); {}",
-        e.field,
-        cfg.dp_size - 1,
-        cfg.dp_size,
-        e.problem
-    );
+    // Copies that disagree may each be valid: say so, not what a valid rank is.
+    let message = if e.conflict {
+        format!(
+            "{} {}: send one rank, an integer in 0..={} (dp_size {})",
+            e.field,
+            e.problem,
+            cfg.dp_size - 1,
+            cfg.dp_size
+        )
+    } else {
+        format!(
+            "{} must be an integer in 0..={} (dp_size {}); {}",
+            e.field,
+            cfg.dp_size - 1,
+            cfg.dp_size,
+            e.problem
+        )
+    };
     // Written by hand (with serde_json escaping the strings): the error path stays small.
     let body = format!(
         r#"{{"error":{{"message":{},"type":"invalid_request_error","param":{},"code":"invalid_data_parallel_rank"}}}}"#,
@@ -439,10 +451,33 @@ mod tests {
             &c,
             &[("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "2")],
         );
-        assert!(matches!(
-            decide_headers(&c, &h, true),
-            HeaderStep::Decided(Decision::Reject(_))
-        ));
+        let HeaderStep::Decided(Decision::Reject(r)) = decide_headers(&c, &h, true) else {
+            panic!("two different rank headers were not rejected");
+        };
+        assert!(
+            r.body.contains(
+                r#""message":"x-data-parallel-rank was sent several times with different values: send one rank, an integer in 0..=3 (dp_size 4)""#
+            ),
+            "{}",
+            r.body
+        );
+        // Two body fields that disagree: each is a valid rank, and the message says what clashes.
+        let decision = decide_body(
+            &c,
+            br#"{"routed_dp_rank":2,"data_parallel_rank":1}"#,
+            None,
+            true,
+        );
+        let Decision::Reject(r) = decision else {
+            panic!("disagreeing body fields were not rejected: {decision:?}");
+        };
+        assert!(
+            r.body.contains(
+                r#""message":"data_parallel_rank (1) disagrees with routed_dp_rank (2): send one rank"#
+            ),
+            "{}",
+            r.body
+        );
         let same = headers(
             &c,
             &[("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "1")],

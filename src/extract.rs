@@ -18,6 +18,8 @@ pub struct RankError {
     pub field: String,
     /// What was wrong, in words a client developer understands.
     pub problem: String,
+    /// The value is a valid rank, but another copy of it disagrees: `problem` says with what.
+    pub conflict: bool,
 }
 
 /// The request headers the filter cares about, collected in one pass.
@@ -201,6 +203,7 @@ pub fn rank_from_header(cfg: &Config, value: &[u8]) -> Result<u32, RankError> {
         _ => Err(RankError {
             field: cfg.explicit.header.clone(),
             problem: format!("got {}", excerpt(v, true)),
+            conflict: false,
         }),
     }
 }
@@ -210,6 +213,7 @@ pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option
     let bad = |problem: String| RankError {
         field: field.to_string(),
         problem,
+        conflict: false,
     };
     match v {
         Value::Null => Ok(None),
@@ -388,7 +392,8 @@ fn merge_ranks(
                 let name = |i: usize| wanted.get(i).copied().unwrap_or_default();
                 return Some(Err(RankError {
                     field: name(idx).to_string(),
-                    problem: format!("conflicts with {} = {prev}: got {this}", name(prev_idx)),
+                    problem: format!("({this}) disagrees with {} ({prev})", name(prev_idx)),
+                    conflict: true,
                 }));
             }
             Some(_) => {}

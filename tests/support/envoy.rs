@@ -79,7 +79,7 @@ pub struct EnvoyConfig {
 }
 
 /// The routes' `per_try_idle_timeout` in the shipped configs.
-pub const SHIPPED_UPSTREAM_IDLE_TIMEOUT: &str = "300s";
+pub const SHIPPED_UPSTREAM_IDLE_TIMEOUT: &str = "290s";
 
 /// The listener buffer limit of the shipped configs: lets Envoy buffer the
 /// filter's default 8 MiB body limit.

@@ -17,12 +17,13 @@ Mock data-parallel rank server for dp-affinity tests.
   --dp-size N             number of internal ranks in --engine mode (1..=4096)
   --engine-kind KIND      --engine only (or --engine=KIND): which engine's rank
                           rules to follow. generic (default): the header on
-                          every LLM path. sglang: the header on /v1/chat/completions
-                          and /v1/completions (a non-integer is a 400), winning
+                          every LLM path. sglang: the header on the OpenAI paths
+                          (/v1/chat/completions, /v1/completions, /v1/responses,
+                          /v1/messages; a non-integer is a 400), winning
                           over body routed_dp_rank / data_parallel_rank; on
                           /generate the header is IGNORED, only the body fields
                           count, and without one a bootstrap_room goes to
-                          bootstrap_room % dp-size. vllm: the header on the two
+                          bootstrap_room % dp-size. vllm: the header on the
                           OpenAI paths (a non-integer is ignored), no body field,
                           /generate is 404. Out of range is a 400
   --prefill-dp-size N     --engine-kind sglang: the prefill DP size a decode leg
