@@ -929,7 +929,7 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     }
     if !(raw.load_factor..=100.0).contains(&raw.pinned_load_factor) {
         // Often left at its default (2.0) while load_factor is raised past it: say so. (No
-        // number is formatted: float formatting alone would add ~20 KB to the module.)
+        // number is formatted: float formatting alone would add ~22 KB to the module.)
         return Err(err(
             "assign.pinned_load_factor",
             "must be in assign.load_factor..=100.0 (its default, 2.0, is below a load_factor raised past it: set both)",

@@ -106,6 +106,30 @@ fn pin_keys(stack: &Stack, keys: &[String]) -> Vec<u32> {
         .collect()
 }
 
+/// Pins `n` keys `<prefix>-<i>`; returns the first one's rank and the keys pinned there (at least
+/// `at_least` of them).
+fn keys_pinned_with_the_first(
+    stack: &Stack,
+    prefix: &str,
+    n: usize,
+    at_least: usize,
+) -> (u32, Vec<String>) {
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+    let ranks = pin_keys(stack, &keys);
+    let target = ranks[0];
+    let on_target: Vec<String> = keys
+        .into_iter()
+        .zip(&ranks)
+        .filter(|(_, &r)| r == target)
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        on_target.len() >= at_least,
+        "too few keys on rank {target}: {ranks:?}"
+    );
+    (target, on_target)
+}
+
 #[test]
 fn client_chosen_failures_neither_cool_down_nor_move_conversations() {
     let stack = Stack::start(
@@ -157,23 +181,11 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
             }
         }))),
     );
-    let keys: Vec<String> = (0..32).map(|i| format!("k-{i}")).collect();
-    let ranks = pin_keys(&stack, &keys);
-    let target = ranks[0];
-    let on_target: Vec<&String> = keys
-        .iter()
-        .zip(&ranks)
-        .filter(|(_, &r)| r == target)
-        .map(|(k, _)| k)
-        .collect();
-    assert!(
-        on_target.len() >= 6,
-        "too few keys on rank {target}: {ranks:?}"
-    );
+    let (target, on_target) = keys_pinned_with_the_first(&stack, "k", 32, 6);
     let (failing, bystanders) = on_target.split_at(4);
 
     // One error unpins only the key that got it.
-    let failed = stack.send(&keyed(failing[0]).header("x-mock-fail", "500"));
+    let failed = stack.send(&keyed(&failing[0]).header("x-mock-fail", "500"));
     assert_eq!((failed.status, served_rank_of(&failed)), (500, target));
     for k in bystanders {
         assert_eq!(
@@ -207,7 +219,7 @@ fn errors_from_several_placed_requests_cool_a_rank_down_one_unpins_only_its_key(
 
     // A third error in a row, nothing served in between: the rank cools down and the
     // conversations pinned to it move.
-    let failed = stack.send(&keyed(failing[3]).header("x-mock-fail", "500"));
+    let failed = stack.send(&keyed(&failing[3]).header("x-mock-fail", "500"));
     assert_eq!((failed.status, served_rank_of(&failed)), (500, target));
     let counters = stack.settled();
     assert_eq!(counters.get("rank_cooldown"), 1);
@@ -236,19 +248,7 @@ fn a_ranks_circuit_breaker_overflow_cools_nothing_down() {
         .rank_max_requests(1)
         .mock_args(&["--stream-interval-ms", "200"]),
     );
-    let keys: Vec<String> = (0..24).map(|i| format!("o-{i}")).collect();
-    let ranks = pin_keys(&stack, &keys);
-    let target = ranks[0];
-    let on_target: Vec<&String> = keys
-        .iter()
-        .zip(&ranks)
-        .filter(|(_, &r)| r == target)
-        .map(|(k, _)| k)
-        .collect();
-    assert!(
-        on_target.len() >= 3,
-        "too few keys on rank {target}: {ranks:?}"
-    );
+    let (target, on_target) = keys_pinned_with_the_first(&stack, "o", 24, 3);
     // A client holds the rank's one request slot with a stream on the rank it names (2 s).
     let hold = chat(json!({ "stream": true, "max_tokens": 10 }))
         .header(RANK_HEADER, &target.to_string())
@@ -262,7 +262,7 @@ fn a_ranks_circuit_breaker_overflow_cools_nothing_down() {
         "the held stream did not start: {:?}",
         String::from_utf8_lossy(&start[..n])
     );
-    let overflowed = stack.send(&keyed(on_target[0]));
+    let overflowed = stack.send(&keyed(&on_target[0]));
     assert_eq!(overflowed.status, 503, "{}", overflowed.text());
     assert!(
         overflowed.text().contains("overflow"),
