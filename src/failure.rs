@@ -4,7 +4,8 @@
 //! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own answer
 //!   that the rank could not be reached (connect failure, the rank's reset of the stream or the
 //!   connection before the response, no healthy upstream) at once — not the cluster's circuit
-//!   breaker or a stream refused for lack of room, which say it is busy; the rank's own 5xx, and Envoy's upstream time-outs, only once
+//!   breaker or a stream refused for lack of room, which say it is busy; the rank's own 5xx,
+//!   and Envoy's upstream time-outs, only once
 //!   `assign.failure_threshold` different requests got one within
 //!   `assign.failure_window_seconds` (strikes), and each request the rank serves (2xx) cancels
 //!   one. A time-out is a strike, not proof: a client that holds its own request open (a body it
