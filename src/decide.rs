@@ -7,9 +7,10 @@
 use crate::assign::{room_rank, Mode};
 use crate::chain::Chain;
 use crate::config::{Config, OnInvalid};
-use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError};
+use crate::extract::{rank_from_header, scan_body_and_prompt, HeaderFacts, RankError, Room};
 use crate::prompt::Api;
 use crate::table::{AffinityTable, Lookup, Store};
+use crate::target::engine_parses_as_json;
 
 /// Why a request was left to the fallback. Each maps to one counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +41,9 @@ pub enum Decision {
     Key { hash: u64, too_long: bool },
     /// Let Envoy balance; nothing to learn.
     Fallback(Reason),
+    /// A `bootstrap_room` that names no one rank (a batch's list of rooms, a string): set no
+    /// rank, so the engine places each item by its own room (Envoy balances in `cluster` mode).
+    Unplaced,
     /// Answer the client directly.
     Reject(Rejection),
 }
@@ -67,8 +71,10 @@ pub fn explicit_header_ignored(cfg: &Config, h: &HeaderFacts<'_>) -> bool {
 /// A routing-key header settles the request here, unless the body is needed anyway: in
 /// `bootstrap_room` mode (the room outranks a key) and when prefix placement reads this request's
 /// prompt (`HeaderFacts::prefix_api`: the prefix is recorded under the key's rank, and decides
-/// when the key is not pinned). Otherwise requests carrying a key header are never buffered, so a
-/// body rank field is not consulted for them (send the rank as a header in that case).
+/// when the key is not pinned), and where one engine behind reads a body rank the filter would
+/// otherwise replace unread ([`engine_reads_body_rank`]). Otherwise requests carrying a key header
+/// are never buffered, so a body rank field is not consulted for them (send the rank as a header
+/// in that case).
 pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) -> HeaderStep {
     if cfg.explicit.enabled && h.trusted {
         if let Some(value) = h.explicit {
@@ -92,7 +98,8 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
     }
     let room_mode = cfg.assign.mode == Mode::BootstrapRoom;
     let prefix = h.prefix_api(cfg).is_some();
-    if let Some((_, key)) = h.key.filter(|_| !room_mode && !prefix) {
+    let body_rank = engine_reads_body_rank(cfg, h);
+    if let Some((_, key)) = h.key.filter(|_| !room_mode && !prefix && !body_rank) {
         return HeaderStep::Decided(key_decision(cfg, key));
     }
     let header_key = || match h.key {
@@ -100,7 +107,7 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
         None => Decision::Fallback(Reason::NoKey),
     };
     let wants_body = prefix || !cfg.body.wanted_fields.is_empty();
-    if end_of_stream || !wants_body || !h.is_json(cfg) {
+    if end_of_stream || !wants_body || !(h.is_json(cfg) || body_rank) {
         return HeaderStep::Decided(header_key());
     }
     if h.declared_length()
@@ -112,6 +119,26 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
         });
     }
     HeaderStep::ReadBody
+}
+
+/// Whether the engine behind (`target.mode: engine`) would act on a rank field in this request's
+/// body that the filter, left to its own reading, would not look at: the filter is about to set
+/// the rank for the engine (a header it prefers, or the body field itself), so a rank the caller
+/// may choose must be read first or the filter would silently replace it. That is the case when
+/// the engine reads body ranks on this path and parses the body as JSON where `body.content_types`
+/// does not name it (no content type, `application/*+json`), and when a key header would
+/// otherwise settle the request before the body.
+fn engine_reads_body_rank(cfg: &Config, h: &HeaderFacts<'_>) -> bool {
+    cfg.explicit.enabled
+        && h.trusted
+        && !cfg.explicit.body_fields.is_empty()
+        && engine_parses_as_json(h.content_type)
+        && cfg
+            .target
+            .engine()
+            .zip(h.path)
+            .and_then(|(engine, path)| engine.for_path(path))
+            .is_some_and(|target| !target.body_fields.is_empty())
 }
 
 /// Decides from a complete JSON body (only called after `ReadBody`). `header_key` is a key that
@@ -154,11 +181,15 @@ pub fn decide_body_with_prefix(
         }
         _ => {}
     }
-    if let Some(room) = facts.room {
-        return (
-            Decision::Room(room_rank(room, cfg.dp_size)),
-            Chain::default(),
-        );
+    match facts.room {
+        Some(Room::One(room)) => {
+            return (
+                Decision::Room(room_rank(room, cfg.dp_size)),
+                Chain::default(),
+            )
+        }
+        Some(Room::Unusable) => return (Decision::Unplaced, Chain::default()),
+        None => {}
     }
     let decision = match header_key.or(facts.key.as_deref()) {
         Some(key) => key_decision(cfg, key),
@@ -533,6 +564,57 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_that_reads_body_ranks_gets_the_body_read_first() {
+        // One SGLang process behind: the filter writes the rank into `/generate`'s body (and
+        // sets the header, which wins, on chat). A body the engine parses as JSON must be read
+        // first, or a rank the caller may choose would be replaced unread.
+        let sglang =
+            cfg(r#","prefix":{"enabled":false},"target":{"mode":"engine","engine":"sglang"}"#);
+        let vllm = cfg(r#","prefix":{"enabled":false},"target":{"mode":"engine","engine":"vllm"}"#);
+        let cluster = cfg(r#","prefix":{"enabled":false}"#);
+        let trusted_only = cfg(
+            r#","prefix":{"enabled":false},"target":{"mode":"engine","engine":"sglang"},
+               "explicit_rank":{"trusted_header":"x-t","trusted_secret":"s"}"#,
+        );
+        let generate = (":path", "/generate");
+        let chat = (":path", "/v1/chat/completions");
+        let key = ("x-routing-key", "k");
+        let plus_json = ("content-type", "application/vnd.api+json");
+        type Headers<'a> = Vec<(&'a str, &'a str)>;
+        // (config, headers, the body is read)
+        let cases: [(&Config, Headers, bool); 10] = [
+            (&sglang, vec![generate], true),
+            (&sglang, vec![chat], true),
+            (&sglang, vec![generate, plus_json], true),
+            (&sglang, vec![generate, JSON, key], true),
+            (
+                &sglang,
+                vec![generate, ("content-type", "text/plain")],
+                false,
+            ),
+            (&sglang, vec![(":path", "/health")], false),
+            (&vllm, vec![generate], false),
+            (&vllm, vec![chat, key, JSON], false),
+            (&cluster, vec![generate], false),
+            (&trusted_only, vec![generate], false),
+        ];
+        for (i, (c, h, read)) in cases.into_iter().enumerate() {
+            let step = decide_headers(c, &headers(c, &h), false);
+            assert_eq!(
+                step == HeaderStep::ReadBody,
+                read,
+                "case {i}: {h:?} gave {step:?}"
+            );
+        }
+        let with_secret = [generate, ("x-t", "s")];
+        let trusted = headers(&trusted_only, &with_secret);
+        assert_eq!(
+            decide_headers(&trusted_only, &trusted, false),
+            HeaderStep::ReadBody
+        );
+    }
+
+    #[test]
     fn body_decisions() {
         let c = cfg("");
         assert_eq!(
@@ -590,6 +672,27 @@ mod tests {
         assert_eq!(
             decide_body(&c, br#"{"bootstrap_room":6}"#, Some(b"k"), true),
             Decision::Room(2)
+        );
+        // A batch's rooms name a rank each: one rank for all would send some items' KV cache
+        // where their decode side does not look. The engine places them.
+        for unplaced in [
+            &br#"{"text":["a","b"],"bootstrap_room":[5,6]}"#[..],
+            br#"{"bootstrap_room":"5"}"#,
+        ] {
+            assert_eq!(
+                decide_body(&c, unplaced, Some(b"k"), true),
+                Decision::Unplaced
+            );
+        }
+        assert_eq!(
+            decide_body(
+                &c,
+                br#"{"bootstrap_room":[5,6],"routed_dp_rank":1}"#,
+                None,
+                true
+            ),
+            Decision::Rank(1),
+            "an explicit rank still decides"
         );
         let by_header = decide_body(&c, br#"{"routing_key":"body"}"#, Some(b"k"), true);
         assert_eq!(

@@ -293,8 +293,19 @@ pub struct BodyFacts<'a> {
     pub rank: Option<Result<u32, RankError>>,
     /// The routing key from the highest-priority key field holding a non-empty string.
     pub key: Option<Cow<'a, [u8]>>,
-    /// SGLang's `bootstrap_room` (only looked for in `bootstrap_room` mode): a JSON integer >= 0.
-    pub room: Option<u64>,
+    /// SGLang's `bootstrap_room` (only looked for in `bootstrap_room` mode; `null` is none).
+    pub room: Option<Room>,
+}
+
+/// A `bootstrap_room` the body carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// One JSON integer >= 0: the request's rank is `room % dp_size`.
+    One(u64),
+    /// Anything else: a batch's list of rooms (one rank each, which one rank for the whole
+    /// request would break), or a number or string the engine may coerce. Only the engine can
+    /// place it as its decode side expects.
+    Unusable,
 }
 
 /// Scans a JSON body for the configured explicit-rank and routing-key fields.
@@ -333,8 +344,9 @@ pub fn scan_body_and_prompt<'a>(
             *slot = Some(value);
         } else {
             room = match value {
-                Value::Number(raw) => parse_u64(raw), // not an integer >= 0: no room
-                _ => None,
+                Value::Null => None,
+                Value::Number(raw) => Some(parse_u64(raw).map_or(Room::Unusable, Room::One)),
+                _ => Some(Room::Unusable),
             };
         }
     };
@@ -685,7 +697,10 @@ mod tests {
             &c,
             r#"{"user":"a","bootstrap_room":1,"user":"b","bootstrap_room":6}"#,
         );
-        assert_eq!((b.key.as_deref(), b.room), (Some(&b"b"[..]), Some(6)));
+        assert_eq!(
+            (b.key.as_deref(), b.room),
+            (Some(&b"b"[..]), Some(Room::One(6)))
+        );
     }
 
     /// Bodies the engines' parser (Python's `json.loads` of the bytes) accepts are read, with the
@@ -771,13 +786,25 @@ mod tests {
     fn bootstrap_room_only_in_room_mode() {
         let c = Config::from_json(br#"{"dp_size":4,"assign":{"mode":"bootstrap_room"}}"#).unwrap();
         let b = scan_body(&c, br#"{"bootstrap_room":10,"routing_key":"k"}"#).unwrap();
-        assert_eq!((b.room, b.key.as_deref()), (Some(10), Some(&b"k"[..])));
-        for bad in [
+        assert_eq!(
+            (b.room, b.key.as_deref()),
+            (Some(Room::One(10)), Some(&b"k"[..]))
+        );
+        for unusable in [
             r#"{"bootstrap_room":-1}"#,
             r#"{"bootstrap_room":"1"}"#,
             r#"{"bootstrap_room":1.5}"#,
+            r#"{"bootstrap_room":[5,6]}"#,
+            r#"{"bootstrap_room":5,"bootstrap_room":{}}"#,
         ] {
-            assert_eq!(scan_body(&c, bad.as_bytes()).unwrap().room, None, "{bad}");
+            let room = scan_body(&c, unusable.as_bytes()).unwrap().room;
+            assert_eq!(room, Some(Room::Unusable), "{unusable}");
+        }
+        for none in [
+            r#"{"bootstrap_room":null}"#,
+            r#"{"bootstrap_room":[1],"bootstrap_room":null}"#,
+        ] {
+            assert_eq!(scan_body(&c, none.as_bytes()).unwrap().room, None, "{none}");
         }
         let plain = body(&cfg(), r#"{"bootstrap_room":10}"#);
         assert_eq!(plain.room, None);

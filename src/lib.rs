@@ -9,6 +9,7 @@
 pub mod assign;
 pub mod body_rewrite;
 pub mod chain;
+pub mod clock;
 pub mod config;
 pub mod config_sections;
 pub mod decide;

@@ -22,6 +22,7 @@ pub enum Counter {
     Assigned,
     Moved,
     Room,
+    RoomUnplaced,
     RankCooldown,
     NoUsableRank,
     UntrustedRank,
@@ -55,7 +56,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 48] = [
+    pub const ALL: [Counter; 49] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -74,6 +75,7 @@ impl Counter {
         Counter::Assigned,
         Counter::Moved,
         Counter::Room,
+        Counter::RoomUnplaced,
         Counter::RankCooldown,
         Counter::NoUsableRank,
         Counter::UntrustedRank,
@@ -127,6 +129,7 @@ impl Counter {
             Counter::Assigned => "dp_affinity.assigned",
             Counter::Moved => "dp_affinity.moved",
             Counter::Room => "dp_affinity.bootstrap_room",
+            Counter::RoomUnplaced => "dp_affinity.bootstrap_room_unplaced",
             Counter::RankCooldown => "dp_affinity.rank_cooldown",
             Counter::NoUsableRank => "dp_affinity.no_usable_rank",
             Counter::UntrustedRank => "dp_affinity.untrusted_rank",

@@ -130,9 +130,10 @@ impl EngineTarget {
         EngineTarget::new(vec![PathTarget::header_only("/", header)])
     }
 
-    /// What each engine honours, checked in its source: SGLang's OpenAI paths take the header
-    /// (and the body fields when there is none), `/generate` the body field only; vLLM's OpenAI
-    /// paths take the header only. Other paths are not listed: they choose no rank.
+    /// What each engine honours, checked in its source: SGLang's OpenAI paths and its SageMaker
+    /// `/invocations` (a chat completion) take the header (and the body fields when there is
+    /// none), `/generate` the body field only; vLLM's OpenAI paths take the header only. Other
+    /// paths are not listed: they choose no rank.
     pub fn preset(engine: Engine) -> EngineTarget {
         let openai = [
             "/v1/chat/completions",
@@ -145,6 +146,7 @@ impl EngineTarget {
             Engine::Sglang => {
                 let mut paths: Vec<PathTarget> = openai
                     .iter()
+                    .chain(&["/invocations"])
                     .map(|p| PathTarget {
                         prefix: (*p).into(),
                         header: Some(RANK_HEADER.into()),
@@ -279,8 +281,9 @@ mod tests {
         assert!(generate.edits_body(true));
         assert_eq!(sglang.for_path(b"/v1/embeddings"), None);
         assert_eq!(sglang.headers, [RANK_HEADER]);
-        // The Responses and Messages APIs read the rank as chat does, in both engines.
-        for path in [&b"/v1/responses"[..], b"/v1/messages"] {
+        // The Responses and Messages APIs read the rank as chat does, in both engines, and so
+        // does SGLang's SageMaker route (a chat completion).
+        for path in [&b"/v1/responses"[..], b"/v1/messages", b"/invocations"] {
             let target = sglang.for_path(path).unwrap();
             assert_eq!(
                 (&target.header, &target.body_fields),

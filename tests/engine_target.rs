@@ -264,6 +264,15 @@ fn a_clients_own_rank_reaches_the_engine_only_when_trusted() {
     let sent = json!({"text": "trusted", "routed_dp_rank": 3}).to_string();
     let response = stack.send(&post(GENERATE, &sent).header(TRUST_HEADER, SECRET));
     assert_eq!((engine_rank(&response), echoed_rank(&response)), (3, 3));
+    // Also without a content type (the engine parses the body as JSON all the same): the filter
+    // reads the rank it would otherwise have replaced unread.
+    let untyped = Request {
+        headers: Vec::new(),
+        ..post(GENERATE, &sent)
+    };
+    let response = stack.send(&untyped.header(TRUST_HEADER, SECRET));
+    assert_eq!((engine_rank(&response), echoed_rank(&response)), (3, 3));
+    assert_upstream_body(&response, &sent);
     let sent = body_for(GENERATE, "trusted header");
     let response = stack.send(
         &post(GENERATE, &sent)
@@ -279,7 +288,7 @@ fn a_clients_own_rank_reaches_the_engine_only_when_trusted() {
 
     let counters = stack.settled();
     counters.assert_eq("target_body_stripped", 16);
-    counters.assert_eq("explicit", 2);
+    counters.assert_eq("explicit", 3);
 }
 
 /// The engine's HTTP layer (FastAPI) reads the content type as Latin-1 and strips Python's
@@ -502,8 +511,16 @@ fn pd_legs_agree_on_the_prefill_rank() {
             room % 4
         );
     }
+    // A batched leg has a room per item: one rank for the request would send some items' KV
+    // cache where their decode legs do not look, so the filter sets none (the engine places
+    // each item by its own room).
+    let batch = json!({"text": ["pd a", "pd b"], "bootstrap_room": [5, 6]}).to_string();
+    let p = prefill.send(&post(GENERATE, &batch));
+    assert_eq!(p.status, 200, "{}", p.text());
+    assert_upstream_body(&p, &batch);
     let counters = prefill.settled();
     counters.assert_eq("bootstrap_room", 4);
+    counters.assert_eq("bootstrap_room_unplaced", 1);
     counters.assert_eq("explicit", 4);
     counters.assert_eq("target_body_rewritten", 8);
 }

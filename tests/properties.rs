@@ -26,7 +26,7 @@ use serde_json::Value as J;
 use dp_affinity::config::Config;
 use dp_affinity::config_sections::TableConfig;
 use dp_affinity::decide::decide_body_with_prefix;
-use dp_affinity::extract::scan_body;
+use dp_affinity::extract::{scan_body, Room};
 use dp_affinity::json_scan::{scan_top_level, Value};
 use dp_affinity::prompt::Api;
 use dp_affinity::table::{AffinityTable, Lookup, Store, StoreError, Stored, TableEvents};
@@ -454,7 +454,7 @@ fn body_cfg() -> impl Strategy<Value = BodyCfg> {
 
 /// Expected `scan_body` result from serde's view of the members, in document order:
 /// (rank: valid rank or the field reported, key bytes, room).
-type Expected = (Option<Result<u32, String>>, Option<Vec<u8>>, Option<u64>);
+type Expected = (Option<Result<u32, String>>, Option<Vec<u8>>, Option<Room>);
 
 fn expected_body_facts(cfg: &BodyCfg, members: &[(String, &J)]) -> Expected {
     // A JSON integer literal (serde parses those, and only those, as u64) below dp_size.
@@ -488,7 +488,10 @@ fn expected_body_facts(cfg: &BodyCfg, members: &[(String, &J)]) -> Expected {
         _ => None,
     });
     let room = if cfg.room_mode {
-        lookup(ROOM_FIELD).and_then(J::as_u64)
+        // null is none; anything but an integer >= 0 names no one rank.
+        lookup(ROOM_FIELD)
+            .filter(|v| !v.is_null())
+            .map(|v| v.as_u64().map_or(Room::Unusable, Room::One))
     } else {
         None
     };

@@ -13,6 +13,7 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::body_rewrite::{rewrite, RankEdit};
 use crate::chain::Chain;
+use crate::clock::{decode_floor, SteadyClock, FLOOR_KEY};
 use crate::config::{Config, TargetMode};
 use crate::decide::{
     decide_body_with_prefix, decide_headers, explicit_header_ignored, resolve_key, without_body,
@@ -219,19 +220,29 @@ impl Gauges {
 const TICK_MS: u32 = 1000;
 
 /// Unix seconds, read from the host once per tick: the table works in whole seconds, so a
-/// per-request clock call would buy nothing.
+/// per-request clock call would buy nothing. Never goes back (see `clock`): a step back of the
+/// wall clock is absorbed, and every VM meets the floor published in shared data.
 #[derive(Default)]
-struct Clock(Cell<u32>);
+struct Clock(Cell<SteadyClock>);
 
 impl Clock {
     fn refresh(&self) {
-        if let Ok(now) = abi::now_seconds() {
-            self.0.set(now);
+        let Ok(wall) = abi::now_seconds() else {
+            return;
+        };
+        let (stored, cas) = SharedData.get(FLOOR_KEY);
+        let floor = decode_floor(stored.as_deref());
+        let mut clock = self.0.get();
+        let now = clock.read(wall, floor);
+        self.0.set(clock);
+        if now > floor {
+            // Lost to another VM's write: it published this second or a later one.
+            let _ = SharedData.set(FLOOR_KEY, &now.to_le_bytes(), cas);
         }
     }
 
     fn now(&self) -> u32 {
-        self.0.get()
+        self.0.get().now()
     }
 }
 
@@ -932,6 +943,10 @@ impl Filter {
             Decision::Fallback(reason) => {
                 rt.counters.add(fallback_counter(reason), 1);
                 self.place(None, from_body);
+            }
+            Decision::Unplaced => {
+                rt.counters.add(Counter::RoomUnplaced, 1);
+                self.routed = Routed::Balanced;
             }
             Decision::Reject(rejection) => {
                 rt.counters.add(Counter::InvalidRank, 1);

@@ -1,0 +1,109 @@
+//! The filter's clock: Envoy's wall clock in whole seconds, except that it never goes back.
+//!
+//! Every stamp the filter keeps in shared data (a pin's last use, a prefix entry's, a rank's
+//! cool-down end, a worker's load column) is compared with later readings of this clock. Envoy
+//! hands out wall-clock time, which an operator or NTP may step backwards; read as it comes,
+//! every stamp written before such a step would lie in the future for as long as the step: pins
+//! that neither expire nor get evicted (while live conversations re-pinned after the step go
+//! first), a rank kept in cool-down and a dead worker's load counted for the step's length. So a
+//! step back is absorbed into an offset and the filter's time goes on from where it was, at the
+//! wall clock's pace. A step forward is taken as it comes (it looks like time passing: entries
+//! expire a little early, once).
+//!
+//! Every worker's VM keeps its own offset, but all of them meet at one floor: the latest time
+//! any of them read, published in shared data ([`FLOOR_KEY`]). A VM started after a step (a new
+//! module loaded) starts from that floor too, so all workers keep one time.
+
+/// Shared-data key of the floor: the latest filter time any VM read, 4 bytes little-endian.
+/// The wall clock is the same for every configuration in the process, so one key serves all.
+pub const FLOOR_KEY: &str = "dp_affinity.clock_floor";
+
+/// One VM's clock: its offset over the wall clock and its latest reading.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SteadyClock {
+    offset: u32,
+    now: u32,
+}
+
+impl SteadyClock {
+    /// Reads the wall clock (`wall`, unix seconds) against `floor` (the published floor, 0 when
+    /// none): the filter's time, never before the floor nor this VM's previous reading.
+    pub fn read(&mut self, wall: u32, floor: u32) -> u32 {
+        let floor = floor.max(self.now);
+        let time = wall.saturating_add(self.offset);
+        if time < floor {
+            // The wall clock went back (here or, seen through the floor, in another VM).
+            self.offset = self.offset.saturating_add(floor - time);
+            self.now = floor;
+        } else {
+            self.now = time;
+        }
+        self.now
+    }
+
+    /// The latest reading.
+    pub fn now(&self) -> u32 {
+        self.now
+    }
+}
+
+/// The floor as stored; anything but 4 bytes reads as none.
+pub fn decode_floor(bytes: Option<&[u8]>) -> u32 {
+    bytes
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follows_the_wall_clock_and_absorbs_steps_back() {
+        let mut c = SteadyClock::default();
+        // (wall, floor, filter time)
+        let steps = [
+            (10_000, 0, 10_000),
+            (10_001, 10_000, 10_001),
+            (10_005, 10_001, 10_005),
+            // Stepped back an hour: time stands at the last reading, then goes on.
+            (6_406, 10_005, 10_005),
+            (6_407, 10_005, 10_006),
+            (6_417, 10_006, 10_016),
+            // Stepped forward again: taken as it comes (time passing).
+            (10_100, 10_016, 13_699),
+            (10_101, 13_699, 13_700),
+        ];
+        for (i, (wall, floor, want)) in steps.into_iter().enumerate() {
+            assert_eq!(c.read(wall, floor), want, "step {i}");
+            assert_eq!(c.now(), want);
+        }
+    }
+
+    #[test]
+    fn every_vm_meets_the_published_floor() {
+        // VM a saw the wall clock step back; VM b, started after the step, and VM c, which had
+        // not read the clock since, take the floor a published.
+        let mut a = SteadyClock::default();
+        a.read(10_000, 0);
+        let floor = a.read(6_400, 10_000);
+        let mut b = SteadyClock::default();
+        assert_eq!(b.read(6_400, floor), 10_000);
+        assert_eq!(b.read(6_460, floor), 10_060);
+        let mut c = SteadyClock::default();
+        c.read(9_999, 0);
+        assert_eq!(c.read(6_401, floor), 10_000);
+        assert_eq!(
+            (a.read(6_460, floor), c.read(6_460, floor)),
+            (10_060, 10_059)
+        );
+    }
+
+    #[test]
+    fn reads_the_floor_bytes() {
+        assert_eq!(decode_floor(Some(&7u32.to_le_bytes())), 7);
+        for bad in [None, Some(&b""[..]), Some(&b"12345"[..])] {
+            assert_eq!(decode_floor(bad), 0);
+        }
+    }
+}
