@@ -255,22 +255,44 @@ pub fn keep_pin(states: &RankStates, now: u32, rank: u32, bound: Bound) -> bool 
     u64::from(states.inflight(rank)) < bound.capacity(total, usable)
 }
 
+/// Every rank once, from `start` on (modulo the rank count). `start` is a turn counter that
+/// wraps: reducing it first keeps the order a rotation at the wrap too (added first, a count not a
+/// power of two would visit one rank twice there and skip another).
+fn ranks_from(n: u32, start: u32) -> impl Iterator<Item = u32> {
+    let first = start.checked_rem(n).unwrap_or(0);
+    (0..n).map(move |i| (first + i) % n)
+}
+
 /// The usable rank with the fewest in flight; ties go to the first at or after `start`, so equal
 /// ranks share the work instead of rank 0 taking every tie.
 pub fn choose_least_inflight(states: &RankStates, now: u32, start: u32) -> Option<u32> {
-    let n = states.ranks.len() as u32;
-    (0..n)
-        .map(|i| (start.wrapping_add(i)) % n)
+    ranks_from(states.ranks.len() as u32, start)
         .filter(|&r| states.usable(r, now))
         .min_by_key(|&r| states.inflight(r))
 }
 
-/// The first usable rank at or after `counter`.
-pub fn choose_round_robin(states: &RankStates, now: u32, counter: u32) -> Option<u32> {
+/// The first usable rank at or after `counter` that is not full under `bound` (as a new key's
+/// rank is bounded in every other mode: a pin or a prefix match moved off a full rank must not
+/// land on it again); when every usable rank is full (only possible with a factor below 1), the
+/// first usable one.
+pub fn choose_round_robin(
+    states: &RankStates,
+    now: u32,
+    counter: u32,
+    bound: Bound,
+) -> Option<u32> {
     let n = states.ranks.len() as u32;
-    (0..n)
-        .map(|i| (counter.wrapping_add(i)) % n)
-        .find(|&r| states.usable(r, now))
+    let (total, usable) = states.usable_load(now);
+    let cap = bound.capacity(total, usable);
+    let mut usable_ranks = ranks_from(n, counter).filter(|&r| states.usable(r, now));
+    let first = usable_ranks.next()?;
+    let not_full = |r: &u32| u64::from(states.inflight(*r)) < cap;
+    Some(
+        std::iter::once(first)
+            .chain(usable_ranks)
+            .find(not_full)
+            .unwrap_or(first),
+    )
 }
 
 /// SGLang's PD rule: the prefill and decode legs of one request agree without a lookup. Down
@@ -545,14 +567,47 @@ mod tests {
         states.ranks[3].down_until = 100;
         assert_eq!(choose_least_inflight(&states, 0, 0), Some(1));
         assert_eq!(choose_least_inflight(&states, 0, 2), Some(2), "ties rotate");
-        assert_eq!(choose_round_robin(&states, 0, 3), Some(0));
-        assert_eq!(choose_round_robin(&states, 0, 2), Some(2));
+        assert_eq!(choose_round_robin(&states, 0, 3, bound(4.0)), Some(0));
+        assert_eq!(choose_round_robin(&states, 0, 2, bound(4.0)), Some(2));
+        // Rank 0 over ceil(1.25 × 6 / 3) = 3: passed.
+        assert_eq!(choose_round_robin(&states, 0, 3, bound(1.25)), Some(1));
         for r in &mut states.ranks {
             r.down_until = 100;
         }
         assert_eq!(choose_least_inflight(&states, 0, 0), None);
-        assert_eq!(choose_round_robin(&states, 0, 0), None);
+        assert_eq!(choose_round_robin(&states, 0, 0, bound(1.25)), None);
         assert_eq!(choose_hash(&states, 0, 0, 1, bound(1.25)), None);
+    }
+
+    /// The turn counter wraps (it starts at the clock's seconds): the ranks visited stay a
+    /// rotation there, so none is skipped whatever the rank count.
+    #[test]
+    fn a_wrapping_turn_still_visits_every_rank() {
+        let mut states = with_load(&[0, 0, 0]);
+        states.ranks[0].down_until = 100;
+        states.ranks[1].down_until = 100;
+        for turn in [u32::MAX - 2, u32::MAX - 1, u32::MAX, 0] {
+            assert_eq!(
+                choose_round_robin(&states, 0, turn, bound(1.25)),
+                Some(2),
+                "{turn}"
+            );
+            assert_eq!(choose_least_inflight(&states, 0, turn), Some(2), "{turn}");
+        }
+        let idlest_last = with_load(&[5, 5, 0]);
+        assert_eq!(choose_least_inflight(&idlest_last, 0, u32::MAX), Some(2));
+    }
+
+    /// Round robin skips a rank over the bound, so a pin moved off a full rank does not land
+    /// on it again.
+    #[test]
+    fn round_robin_passes_a_full_rank() {
+        let states = with_load(&[9, 0, 0, 0]);
+        // Capacity ceil(1.25 × 10 / 4) = 4 (floor 1): rank 0 is full.
+        assert_eq!(choose_round_robin(&states, 0, 0, bound(1.25)), Some(1));
+        assert_eq!(choose_round_robin(&states, 0, 3, bound(1.25)), Some(3));
+        let even = with_load(&[1, 1, 1, 1]);
+        assert_eq!(choose_round_robin(&even, 0, 4, bound(1.25)), Some(0));
     }
 
     #[test]

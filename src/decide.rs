@@ -129,16 +129,16 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
 /// does not name it (no content type, `application/*+json`), and when a key header would
 /// otherwise settle the request before the body.
 fn engine_reads_body_rank(cfg: &Config, h: &HeaderFacts<'_>) -> bool {
+    let Some(engine) = cfg.target.engine() else {
+        return false; // the usual case, decided without looking further
+    };
     cfg.explicit.enabled
         && h.trusted
         && !cfg.explicit.body_fields.is_empty()
-        && engine_parses_as_json(h.content_type)
-        && cfg
-            .target
-            .engine()
-            .zip(h.path)
-            .and_then(|(engine, path)| engine.for_path(path))
+        && h.path
+            .and_then(|path| engine.for_path(path))
             .is_some_and(|target| !target.body_fields.is_empty())
+        && engine_parses_as_json(h.content_type)
 }
 
 /// Decides from a complete JSON body (only called after `ReadBody`). `header_key` is a key that

@@ -350,7 +350,7 @@ fn assign_home(
     match (a.mode, anchor) {
         (Mode::Envoy, _) => None,
         (Mode::Hash, Some(anchor)) => home_of_two(st, now, a.seed, anchor, a.new_key_bound, blocks),
-        (Mode::RoundRobin, _) => preferred(choose_round_robin(st, now, turn)),
+        (Mode::RoundRobin, _) => preferred(choose_round_robin(st, now, turn, a.new_key_bound)),
         // No key and no anchor in hash mode, and every placement in the others.
         _ => preferred(choose_least_inflight(st, now, turn)),
     }
@@ -1887,6 +1887,37 @@ mod tests {
         );
     }
 
+    /// A pin moved off a full rank goes to a rank that is not full, in round robin too (which
+    /// used to take the next rank in turn, the full one included).
+    #[test]
+    fn round_robin_moves_a_pin_off_a_full_rank_for_good() {
+        let c = cfg(r#","assign":{"mode":"round_robin","min_capacity":1}"#);
+        let busy = states(&[(9, 0), (0, 0), (0, 0), (0, 0)]);
+        let facts = Facts {
+            key: Some(KeyFacts {
+                hash: 7,
+                pinned: Some(0),
+                tag: 0,
+                depth: 0,
+            }),
+            turn: 0,
+            ..Facts::default()
+        };
+        let p = plan(&c, 0, &facts, Some(&busy), 10);
+        assert!(
+            matches!(
+                p.target,
+                Target::Pinned {
+                    rank: 1,
+                    write_pin: true,
+                    ..
+                }
+            ),
+            "{p:?}"
+        );
+        assert_eq!(p.counters[0], Some(Counter::Moved), "{p:?}");
+    }
+
     #[test]
     fn each_mode_assigns_its_way() {
         let loads = states(&[(3, 0), (1, 0), (1, 0), (2, 0)]);
@@ -1904,7 +1935,7 @@ mod tests {
         // Least in flight, ties rotated by the turn.
         assert_eq!(at("least_inflight", 0, None), Some(1));
         assert_eq!(at("least_inflight", 2, None), Some(2));
-        // Round robin: the next rank from the turn, whatever the load.
+        // Round robin: the next rank from the turn under the bound (none is full here).
         assert_eq!(at("round_robin", 3, None), Some(3));
         assert_eq!(at("round_robin", 5, None), Some(1));
         // Room mode places what has no room like least_inflight.
