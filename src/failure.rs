@@ -2,16 +2,17 @@
 //! does about it. The rule keeps clients from faking a rank's failure:
 //!
 //! - Only evidence the rank itself is failing cools it down for everyone: Envoy's own answer
-//!   that the rank could not be reached (connect failure, the rank's reset of the stream or the
-//!   connection before the response, no healthy upstream) at once — not the cluster's circuit
-//!   breaker or a stream refused for lack of room, which say it is busy; the rank's own 5xx,
-//!   and Envoy's upstream time-outs, only once
+//!   that the rank could not be reached (no connection could be made, no healthy upstream) at
+//!   once — not the cluster's circuit breaker or a stream refused for lack of room, which say it
+//!   is busy; the rank's own 5xx, its reset of the stream or the connection before the
+//!   response, Envoy's upstream time-outs and an answer the rank cut short, only once
 //!   `assign.failure_threshold` different requests got one within
 //!   `assign.failure_window_seconds` (strikes), and each request the rank serves (2xx) cancels
-//!   one. A time-out is a strike, not proof: a client that holds its own request open (a body it
-//!   never finishes) can make one happen, as a client can make an engine answer 500 (a bad
-//!   parameter) on a rank the filter chose. Cancelled by what the rank serves, such strikes
-//!   cool down only a rank that serves less than that client fails, not one that serves others.
+//!   one. These are strikes, not proof: a client that holds its own request open (a body it
+//!   never finishes) can make a time-out happen, a client can make an engine answer 500 (a bad
+//!   parameter) or drop its connection on a rank the filter chose, and a healthy engine closes
+//!   a kept-alive connection just as Envoy reuses it now and then. Cancelled by what the rank
+//!   serves, such strikes cool down only a rank that serves less than it fails.
 //! - A request whose rank the client chose (explicit rank, bootstrap room) never counts: a
 //!   client can make an engine answer 500 (a bad parameter) on any rank it names.
 //! - A single failure, of any kind, unpins only the routing key of the request that got it.
@@ -34,11 +35,18 @@ pub enum Answer {
     RankUnreachable,
     /// Envoy's own 5xx because the rank did not answer in time.
     RankTimeout,
+    /// Envoy's own 5xx because the rank closed the connection or reset the stream before
+    /// answering ([`DROPPED`]).
+    RankDropped,
     /// Envoy's own 5xx for another reason (overload, the cluster's circuit breaker, a stream the
     /// rank refused for lack of room, a missing cluster, …): not proof the rank is failing.
     ProxyError,
     /// The stream ended with no response at all (client gone, stream reset).
     Unanswered,
+    /// A 2xx the rank stopped short of its end: Envoy timed the stream out, or the rank reset
+    /// it, after the response had started ([`cut_by_rank`]). A streamed answer's status is sent
+    /// with its first event, so this is how a rank that hangs or dies mid-answer shows.
+    Cut,
 }
 
 /// Envoy's `response.code_details` for answers the upstream sent.
@@ -51,35 +59,60 @@ const NO_HEALTHY_UPSTREAM: &[u8] = b"no_healthy_upstream";
 /// `{reason}` (and, for a connect failure, the transport's own reason after it).
 const RESET_BEFORE_RESPONSE: &[u8] = b"upstream_reset_before_response_started{";
 
-/// The reset reasons (Envoy's names, spaces as `_`) that say the rank itself could not be reached
-/// or broke the exchange. The others do not: `overflow` is the cluster's circuit breaker (the
-/// rank is busy, and a client holding many requests on a rank it names could trip it),
-/// `remote_refused_stream_reset` the rank declining a stream it has no room for, and the local
-/// resets and `overload_manager_reset` are Envoy's own doing.
-const RANK_RESETS: [&[u8]; 7] = [
+/// The reset reasons (Envoy's names, spaces as `_`) that say the rank could not be reached: no
+/// connection to it could be made. No client can cause them.
+const CONNECT_FAILURES: [&[u8]; 4] = [
     b"connection_failure", // older Envoy: one reason for both sides
     b"local_connection_failure",
     b"remote_connection_failure",
     b"connection_timeout",
+];
+
+/// The reset reasons that say the rank dropped the exchange: closed the connection or reset the
+/// stream. A failing engine does that, but so does a healthy one closing a kept-alive connection
+/// just as Envoy reuses it (uvicorn, which serves SGLang and vLLM, closes idle connections after
+/// 5 s; Envoy keeps them an hour), and one dropping a request it will not read (too large, not
+/// HTTP it accepts). Evidence, not proof.
+const DROPPED: [&[u8]; 3] = [
     b"connection_termination",
     b"remote_reset",
     b"protocol_error",
 ];
 
-/// Whether `details` say the rank could not be reached (see [`RANK_RESETS`]).
+// The other reasons say nothing against the rank: `overflow` is the cluster's circuit breaker (the
+// rank is busy, and a client holding many requests on a rank it names could trip it),
+// `remote_refused_stream_reset` the rank declining a stream it has no room for, and the local
+// resets and `overload_manager_reset` are Envoy's own doing.
+
+/// Envoy's `response.code_details` for an upstream stream reset after the response started
+/// (the status already sent), followed by `{reason}` as [`RESET_BEFORE_RESPONSE`].
+const RESET_AFTER_RESPONSE: &[u8] = b"upstream_reset_after_response_started{";
+
+/// Whether `details` say the rank could not be reached (see [`CONNECT_FAILURES`]).
 fn unreachable(details: &[u8]) -> bool {
-    if details.starts_with(NO_HEALTHY_UPSTREAM) {
-        return true;
-    }
-    let Some(reason) = details.strip_prefix(RESET_BEFORE_RESPONSE) else {
-        return false;
-    };
+    details.starts_with(NO_HEALTHY_UPSTREAM)
+        || reset_reason(details, RESET_BEFORE_RESPONSE)
+            .is_some_and(|r| CONNECT_FAILURES.contains(&r))
+}
+
+/// The reset reason of `details` that are `prefix{reason…}`.
+fn reset_reason<'a>(details: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
+    let reason = details.strip_prefix(prefix)?;
     // The reason ends at `}`, or at `|` / `,` before the transport's detail.
     let end = reason
         .iter()
         .position(|&c| matches!(c, b'}' | b'|' | b','))
         .unwrap_or(reason.len());
-    RANK_RESETS.contains(&&reason[..end])
+    reason.get(..end)
+}
+
+/// Whether `details` (of a stream whose 2xx answer never reached its end) say the rank stopped
+/// short of it: Envoy's upstream time-outs, or the rank's reset of the stream or the connection
+/// ([`DROPPED`]). Not a client that left (`downstream_remote_disconnect`, …), which is its own
+/// doing.
+pub fn cut_by_rank(details: &[u8]) -> bool {
+    TIMED_OUT.iter().any(|p| details.starts_with(p))
+        || reset_reason(details, RESET_AFTER_RESPONSE).is_some_and(|r| DROPPED.contains(&r))
 }
 
 /// Prefixes of Envoy's `response.code_details` for an upstream that did not answer in time.
@@ -100,6 +133,11 @@ pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
             None => Answer::RankError,
             Some(d) if d == VIA_UPSTREAM => Answer::RankError,
             Some(d) if unreachable(d) => Answer::RankUnreachable,
+            Some(d)
+                if reset_reason(d, RESET_BEFORE_RESPONSE).is_some_and(|r| DROPPED.contains(&r)) =>
+            {
+                Answer::RankDropped
+            }
             Some(d) if TIMED_OUT.iter().any(|p| d.starts_with(p)) => Answer::RankTimeout,
             Some(_) => Answer::ProxyError,
         },
@@ -146,7 +184,7 @@ pub fn judge(answer: Answer, chooser: Chooser) -> Verdict {
             ..Verdict::default()
         },
         Answer::Refused => Verdict::default(),
-        Answer::RankError | Answer::RankTimeout => Verdict {
+        Answer::RankError | Answer::RankTimeout | Answer::RankDropped => Verdict {
             unpin_key: true,
             strike: filter_chose,
             ..Verdict::default()
@@ -155,6 +193,13 @@ pub fn judge(answer: Answer, chooser: Chooser) -> Verdict {
             unpin_key: true,
             cool_down: filter_chose,
             forget_prefix: filter_chose,
+            ..Verdict::default()
+        },
+        // The rank computed the prompt (its answer had started): the chain stays.
+        Answer::Cut => Verdict {
+            unpin_key: true,
+            strike: filter_chose,
+            record_prefix: true,
             ..Verdict::default()
         },
         Answer::ProxyError | Answer::Unanswered => Verdict {
@@ -192,7 +237,7 @@ mod tests {
             (
                 503,
                 Some(&b"upstream_reset_before_response_started{remote_reset}"[..]),
-                Answer::RankUnreachable,
+                Answer::RankDropped,
             ),
             (
                 503,
@@ -207,11 +252,21 @@ mod tests {
             (
                 503,
                 Some(&b"upstream_reset_before_response_started{connection_termination}"[..]),
-                Answer::RankUnreachable,
+                Answer::RankDropped,
             ),
             (
                 503,
                 Some(&b"upstream_reset_before_response_started{connection_failure,delayed_connect_error:_111}"[..]),
+                Answer::RankUnreachable,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{protocol_error}"[..]),
+                Answer::RankDropped,
+            ),
+            (
+                503,
+                Some(&b"upstream_reset_before_response_started{connection_timeout}"[..]),
                 Answer::RankUnreachable,
             ),
             // Busy, not broken: the cluster's circuit breaker, a stream refused for lack of room.
@@ -255,6 +310,41 @@ mod tests {
         }
     }
 
+    /// A 2xx whose stream never reached its end: the rank's doing, or the client's.
+    #[test]
+    fn an_answer_cut_short_is_read_from_envoys_details() {
+        for (details, want) in [
+            (&b"upstream_per_try_idle_timeout"[..], true),
+            (b"upstream_response_timeout", true),
+            (b"upstream_reset_after_response_started{remote_reset}", true),
+            (
+                b"upstream_reset_after_response_started{connection_termination}",
+                true,
+            ),
+            (
+                b"upstream_reset_after_response_started{protocol_error}",
+                true,
+            ),
+            (b"upstream_reset_after_response_started{local_reset}", false),
+            (b"upstream_reset_after_response_started{overflow}", false),
+            (
+                b"upstream_reset_before_response_started{remote_reset}",
+                false,
+            ),
+            (b"downstream_remote_disconnect", false),
+            (b"stream_idle_timeout", false),
+            (b"via_upstream", false),
+            (b"", false),
+        ] {
+            assert_eq!(
+                cut_by_rank(details),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(details)
+            );
+        }
+    }
+
     #[test]
     fn only_the_filters_choices_count_against_a_rank() {
         use Answer::*;
@@ -279,11 +369,15 @@ mod tests {
             (RankError, Client, v(true, false, false, false, false)),
             (RankTimeout, Filter, v(true, false, true, false, false)),
             (RankTimeout, Client, v(true, false, false, false, false)),
+            (RankDropped, Filter, v(true, false, true, false, false)),
+            (RankDropped, Client, v(true, false, false, false, false)),
             (RankUnreachable, Filter, v(true, true, false, false, true)),
             (RankUnreachable, Client, v(true, false, false, false, false)),
             (ProxyError, Filter, v(true, false, false, false, false)),
             (Unanswered, Filter, v(true, false, false, false, false)),
             (Unanswered, Client, v(true, false, false, false, false)),
+            (Cut, Filter, v(true, false, true, true, false)),
+            (Cut, Client, v(true, false, false, true, false)),
         ] {
             assert_eq!(judge(answer, chooser), want, "{answer:?} {chooser:?}");
         }

@@ -44,6 +44,7 @@ pub enum Counter {
     StatsFlushes,
     RankErrors,
     Unanswered,
+    AnswerCut,
     TargetBodyRewritten,
     TargetBodyStripped,
     TargetBodyUnwritable,
@@ -56,7 +57,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 49] = [
+    pub const ALL: [Counter; 50] = [
         Counter::Explicit,
         Counter::AffinityHit,
         Counter::AffinityMiss,
@@ -97,6 +98,7 @@ impl Counter {
         Counter::StatsFlushes,
         Counter::RankErrors,
         Counter::Unanswered,
+        Counter::AnswerCut,
         Counter::TargetBodyRewritten,
         Counter::TargetBodyStripped,
         Counter::TargetBodyUnwritable,
@@ -151,6 +153,7 @@ impl Counter {
             Counter::StatsFlushes => "dp_affinity.stats_flushes",
             Counter::RankErrors => "dp_affinity.rank_errors",
             Counter::Unanswered => "dp_affinity.unanswered",
+            Counter::AnswerCut => "dp_affinity.answer_cut",
             Counter::TargetBodyRewritten => "dp_affinity.target_body_rewritten",
             Counter::TargetBodyStripped => "dp_affinity.target_body_stripped",
             Counter::TargetBodyUnwritable => "dp_affinity.target_body_unwritable",

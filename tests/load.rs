@@ -22,7 +22,7 @@ use support::envoy::{Envoy, EnvoyConfig};
 use support::http::Response;
 use support::mock::MockRank;
 use support::paths;
-use support::requests::{chat, keyed, plugin_config, DP_SIZE, RANK_HEADER};
+use support::requests::{chat, keyed, plugin_config, DP_SIZE, KEY_HEADER, RANK_HEADER};
 use support::stack::{served_rank, Stack, StackOptions};
 use support::tempdir::TestDir;
 
@@ -163,6 +163,38 @@ fn client_chosen_failures_neither_cool_down_nor_move_conversations() {
     assert_eq!(counters.get("moved"), 0);
     assert_eq!(gauges(&stack.envoy, "rank_cooling_down"), [0, 0, 0, 0]);
     println!("abuse: 20 client-chosen 500s, 40 conversations, 0 moved, 0 cool-downs");
+}
+
+/// An engine that closes the connection without answering (a request it will not read, or a
+/// kept-alive connection it closes just as Envoy reuses it) gets Envoy's `503
+/// {connection_termination}`. A client can cause that, and a healthy engine does it now and
+/// then: it is a strike, not proof the rank is down, so the rank's other conversations stay.
+#[test]
+fn a_dropped_connection_is_a_strike_not_a_cool_down() {
+    let stack = Stack::start(
+        "load_dropped",
+        StackOptions::new(plugin_config(json!({ "assign": { "mode": "hash" } }))),
+    );
+    let (target, on_target) = keys_pinned_with_the_first(&stack, "d", 32, 4);
+    let (dropped, bystanders) = on_target.split_at(1);
+    let failed = stack.send(&keyed(&dropped[0]).header("x-mock-fail", "close"));
+    assert_eq!(failed.status, 503, "{}", failed.text());
+    let counters = stack.settled();
+    assert_eq!(counters.get("rank_cooldown"), 0, "{}", counters.nonzero());
+    assert_eq!(counters.get("rank_errors"), 1);
+    assert_eq!(counters.get("unpinned"), 1);
+    for k in bystanders {
+        assert_eq!(
+            served_rank(&stack.send(&keyed(k))),
+            target,
+            "{k} moved after one dropped connection"
+        );
+    }
+    println!(
+        "dropped: one request's connection closed unanswered by rank {target}: {}; {} bystanders stayed",
+        failed.text().trim(),
+        bystanders.len()
+    );
 }
 
 /// Strikes count against a rank only while its errors outnumber what it serves: each request the
@@ -463,6 +495,9 @@ fn abandoned_streams_release_their_load() {
     let done = Instant::now();
     let took = converged(&stack.envoy, done, "after 100 abandoned streams");
     println!("abandon: 100 streams dropped mid-way, back to 0 in {took:?}");
+    // A client leaving mid-answer is its own doing: nothing counts against the ranks.
+    let counters = stack.settled();
+    counters.assert_zero(&["answer_cut", "rank_errors", "rank_cooldown"]);
 }
 
 #[test]
@@ -502,6 +537,63 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
     println!(
         "hung: {} of 40 first turns timed out (504 after the 2 s idle timeout), all drained in {drained_after:?}; next turns all elsewhere",
         hung.len()
+    );
+}
+
+/// A rank that hangs once its answer has started: a streamed reply's `200` goes out with its
+/// first event, so Envoy's idle time-out can only cut the stream (no 504 is sent). The filter
+/// reads that ending from Envoy and counts it against the rank as it counts a 504.
+#[test]
+fn a_rank_that_stalls_mid_answer_is_drained_of_pinned_traffic() {
+    const HUNG: u32 = 1;
+    let stack = Stack::start(
+        "load_stall",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "hash", "cooldown_seconds": 60 }
+        })))
+        .rank_args(HUNG, &["--stream-interval-ms", "600000"])
+        .upstream_idle_timeout("2s"),
+    );
+    let addr = stack.addr();
+    let streamed = |i: usize| {
+        chat(json!({ "stream": true, "max_tokens": 4 })).header(KEY_HEADER, &format!("s-{i}"))
+    };
+    let answers: Vec<String> = (0..40)
+        .map(|i| {
+            let raw = streamed(i).encode(true);
+            thread::spawn(move || {
+                let outcome = support::http::send_raw(addr, raw, "POST");
+                String::from_utf8_lossy(&outcome.received).to_lowercase()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect();
+    let on_hung = |text: &str| text.contains(&format!("\r\nx-dp-rank: {HUNG}\r\n"));
+    let cut: Vec<usize> = (0..40).filter(|&i| on_hung(&answers[i])).collect();
+    assert!(
+        cut.len() >= 3,
+        "fewer than 3 keys placed on the stalling rank"
+    );
+    for (i, text) in answers.iter().enumerate() {
+        assert!(text.starts_with("http/1.1 200"), "s-{i}: {text}");
+        assert_eq!(text.contains("[done]"), !cut.contains(&i), "s-{i}: {text}");
+    }
+    let counters = stack.settled();
+    assert!(counters.get("rank_errors") >= 3, "{}", counters.nonzero());
+    assert_eq!(counters.get("rank_cooldown"), 1);
+    counters.assert_eq("answer_cut", cut.len() as u64);
+    // Every conversation's next turn is served, none by the stalled rank.
+    for i in 0..40 {
+        let r = served_rank(&stack.send(&keyed(&format!("s-{i}"))));
+        assert_ne!(r, HUNG, "s-{i} went back to the stalled rank");
+    }
+    println!(
+        "stall: {} of 40 streams cut by the 2 s idle time-out after their first event; answer_cut {}, rank_errors {}; next turns all elsewhere",
+        cut.len(),
+        counters.get("answer_cut"),
+        counters.get("rank_errors")
     );
 }
 

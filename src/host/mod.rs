@@ -20,7 +20,7 @@ use crate::decide::{
 };
 use crate::decide::{Decision, HeaderStep, Reason};
 use crate::extract::{HeaderFacts, ResponseFacts};
-use crate::failure::{classify, judge, Answer, Chooser};
+use crate::failure::{classify, cut_by_rank, judge, Answer, Chooser};
 use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
 use crate::prefix_index::{Anchor, CountingStore, Kept, Match, PrefixIndex};
@@ -413,6 +413,7 @@ impl RootContext for Root {
             api: None,
             prefix: None,
             answered: false,
+            response_ended: false,
             served: false,
             finished: false,
             may_choose_rank: false,
@@ -481,6 +482,8 @@ struct Filter {
     prefix: Option<PrefixState>,
     /// Response headers arrived (Envoy's own failure answers included).
     answered: bool,
+    /// The response reached its end (its last body bytes or trailers went through).
+    response_ended: bool,
     /// The rank the filter chose served the request (2xx): its release cancels one strike.
     served: bool,
     /// The stream's end was handled (see [`Filter::finish`]).
@@ -627,8 +630,9 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.answered = true;
+        self.response_ended = end_of_stream;
         let echo_wanted = self.rt.cfg.echo_header.is_some();
         // Each branch reads only what it needs: host calls are the filter's main cost.
         // A chain the filter did not record at placement (Envoy balanced) is recorded from a
@@ -687,6 +691,18 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
+    // Called for every response body chunk whether the filter reads it or not: noting the end
+    // costs no host call.
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+        self.response_ended |= end_of_stream;
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.response_ended = true;
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         self.finish();
     }
@@ -712,9 +728,38 @@ impl Filter {
                 }
                 Routed::Unset | Routed::Learn { .. } | Routed::Balanced => {}
             }
+        } else if self.served && !self.response_ended {
+            self.settle_cut_answer();
         }
         // The request no longer loads its rank.
         self.release_acquired();
+    }
+
+    /// A 2xx from the rank the filter chose never reached its end. The client may have left
+    /// (its own doing: nothing to act on), or the rank stopped short of it — Envoy timed the
+    /// stream out, or the rank reset it (`failure::cut_by_rank`): then the request failed after
+    /// all, and is settled again as such (its key unpinned, a strike, no strike forgiven). One
+    /// property read, only for answers cut short.
+    fn settle_cut_answer(&mut self) {
+        let (rank, key) = match self.routed {
+            Routed::Pinned { hash, rank } => (rank, Some(hash)),
+            Routed::Direct {
+                rank,
+                chooser: Chooser::Filter,
+            } => (rank, None),
+            _ => return,
+        };
+        let details = abi::property(&["response", "code_details"]).ok().flatten();
+        if !details.as_deref().is_some_and(cut_by_rank) {
+            return;
+        }
+        debug!(
+            "[{}] rank {rank} cut its answer short: {}",
+            self.id,
+            String::from_utf8_lossy(details.as_deref().unwrap_or_default())
+        );
+        self.rt.counters.add(Counter::AnswerCut, 1);
+        self.settle(rank, key, Chooser::Filter, Answer::Cut);
     }
 
     /// The whole body is buffered: decide from it if the decision waited for it, then edit it

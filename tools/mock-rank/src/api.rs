@@ -232,6 +232,9 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
         Route::Models => write_json(w, &meta, 200, &models(srv, req)),
         Route::ServerInfo => write_json(w, &meta, 200, &server_info(srv, req)),
         Route::ModelInfo => write_json(w, &meta, 200, &model_info(srv, req)),
+        // An engine that drops a request it will not read (or a kept-alive connection it is
+        // closing): no answer at all, the connection closed.
+        Route::Llm(_) if requested_close(&req.head) => Ok(false),
         Route::Llm(api) => match srv.dispatch(req, api) {
             Ok(rank) => match requested_failure(&req.head) {
                 // An engine answers some requests with an error of its own (a parameter it
@@ -262,6 +265,14 @@ pub fn respond<W: Write>(w: &mut W, srv: &Server, req: &Request) -> io::Result<b
             write_json(w, &meta, 404, &with_mock(body, srv, req))
         }
     }
+}
+
+/// Whether an LLM request asks the mock to close the connection without answering
+/// (`x-mock-fail: close`).
+fn requested_close(head: &Head) -> bool {
+    head.headers
+        .iter()
+        .any(|(n, v)| n == "x-mock-fail" && v.trim() == "close")
 }
 
 /// The status an LLM request asks to be answered with (`x-mock-fail: 400..=599`).
@@ -850,6 +861,18 @@ mod tests {
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-mock-fail: 200\r\nContent-Length: 2\r\n\r\n{}",
         );
         assert!(run(&req).0.starts_with("HTTP/1.1 200"));
+    }
+
+    #[test]
+    fn a_requested_close_writes_nothing_and_ends_the_connection() {
+        let req = request(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-mock-fail: close\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        let srv = server(Mode::Rank(3));
+        let mut out = Vec::new();
+        let reuse = respond(&mut out, &srv, &req).expect("respond");
+        assert!(!reuse, "the connection must close");
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
     }
 
     #[test]
