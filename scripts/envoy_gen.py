@@ -39,6 +39,11 @@ def cluster(name, ports, lb="LEAST_REQUEST"):
     return f"""  - name: {name}
     type: STATIC
     connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options: {{ idle_timeout: 4s }}
+        explicit_http_config: {{ http_protocol_options: {{}} }}
     lb_policy: {lb}
     circuit_breakers:
       thresholds:
