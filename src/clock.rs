@@ -18,7 +18,9 @@
 /// The wall clock is the same for every configuration in the process, so one key serves all.
 pub const FLOOR_KEY: &str = "dp_affinity.clock_floor";
 
-/// One VM's clock: its offset over the wall clock and its latest reading.
+/// One VM's clock: its offset over the wall clock and its latest reading. The floor passed to
+/// [`SteadyClock::read`] must be read before the wall clock: then it comes from readings made
+/// before this one and can only exceed it after a step back.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SteadyClock {
     offset: u32,
@@ -97,6 +99,27 @@ mod tests {
             (a.read(6_460, floor), c.read(6_460, floor)),
             (10_060, 10_059)
         );
+    }
+
+    /// Workers reading the floor before the wall clock, ticking in every order around second
+    /// boundaries: no step, so the filter's time stays the wall clock's.
+    #[test]
+    fn no_step_no_drift() {
+        let mut clocks = [SteadyClock::default(); 3];
+        let mut floor = 0u32;
+        for wall in 1_000u32..1_200 {
+            for turn in 0..3 {
+                let i = (wall as usize + turn) % 3;
+                // Read the floor, then the wall clock (which may have moved on meanwhile).
+                let seen = floor;
+                let now = clocks[i].read(wall + u32::from(turn == 2), seen);
+                floor = floor.max(now);
+            }
+        }
+        for c in &clocks {
+            assert!(c.now() <= 1_200, "{c:?}");
+        }
+        assert!(floor <= 1_200);
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //!   `assign.failure_window_seconds` (strikes), and each request the rank serves (2xx) cancels
 //!   one. These are strikes, not proof: a client that holds its own request open (a body it
 //!   never finishes) can make a time-out happen, a client can make an engine answer 500 (a bad
-//!   parameter) or drop its connection on a rank the filter chose, and a healthy engine closes
+//!   parameter) or drop its connection on a rank the filter chose, a client that stops reading
+//!   a long streamed answer lets Envoy's idle timer run out on it, and a healthy engine closes
 //!   a kept-alive connection just as Envoy reuses it now and then. Cancelled by what the rank
 //!   serves, such strikes cool down only a rank that serves less than it fails.
 //! - A request whose rank the client chose (explicit rank, bootstrap room) never counts: a

@@ -504,8 +504,12 @@ fn is_media_part(kind: &[u8]) -> bool {
         b"image_url"
             | b"input_image"
             | b"image"
+            | b"image_embeds"
+            | b"image_pil"
             | b"input_audio"
             | b"audio"
+            | b"audio_url"
+            | b"audio_embeds"
             | b"video_url"
             | b"video"
             | b"file"
@@ -905,6 +909,12 @@ fn walk_item(s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanEr
         }
     }
     let [role, kind, name, arguments] = spans.map(|span| span.map(|span| bytes(s.b, span)));
+    if role.is_none() && kind == Some(b"reasoning") {
+        // A model's reasoning, sent back: clients keep it or prune it from one turn to the next
+        // while the engine renders the same prompt (earlier turns' reasoning is dropped), so it
+        // is not read, like chat's `reasoning_content` and Messages' `thinking`.
+        return Ok(());
+    }
     if kind == Some(b"item_reference") {
         // Names an item stored on the server: the prompt is not all in the body.
         c.unusable();
@@ -1269,6 +1279,9 @@ mod tests {
                 for item in items {
                     let item = item.as_object()?;
                     let string = |f: &str| item.get(f).and_then(Json::as_str);
+                    if string("role").is_none() && string("type") == Some("reasoning") {
+                        continue;
+                    }
                     if let Some(label) = string("role").or(string("type")) {
                         out.extend(label.as_bytes());
                     }
@@ -1373,6 +1386,22 @@ mod tests {
         );
         assert!(opening(body, Api::Responses, &c).is_some());
         check_against_reference(text, Api::Responses, &c);
+        // Reasoning items sent back, or pruned by the client: the same prompt.
+        let with_reasoning = body.replacen(
+            r#"{"type":"function_call""#,
+            r#"{"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"Look it up."}],"content":[{"type":"reasoning_text","text":"call the tool"}]},{"type":"function_call""#,
+            1,
+        );
+        assert_ne!(with_reasoning, body);
+        assert_eq!(
+            chain(&with_reasoning, Api::Responses, &c),
+            chain(body, Api::Responses, &c)
+        );
+        let tool_loop = r#"{"model":"m","input":[{"role":"user","content":"Weather in Lisbon?"},
+            {"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"Look it up."}]},
+            {"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c1","output":"sunny, 24C"}]}"#;
+        check_against_reference(tool_loop, Api::Responses, &c);
     }
 
     #[test]
@@ -1794,6 +1823,49 @@ mod tests {
                 &c
             )
         );
+    }
+
+    /// Every media part the engines accept is read: audio by URL (SGLang's and vLLM's usual
+    /// form), precomputed embeddings. Read as nothing, two transcriptions of different files
+    /// behind one instruction would be one prompt, and every one would follow the first.
+    #[test]
+    fn audio_and_embedding_parts_are_media() {
+        let c = cfg(16, 4, 64);
+        let ask = |part: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"You transcribe audio files faithfully."}},{{"role":"user","content":[{{"type":"text","text":"Transcribe this."}},{part}]}}]}}"#
+            )
+        };
+        for (kind, a, b) in [
+            (
+                "audio_url",
+                r#"{"url":"https://x/a.wav"}"#,
+                r#"{"url":"https://x/b.wav"}"#,
+            ),
+            ("image_embeds", r#""AAAA""#, r#""BBBB""#),
+            ("audio_embeds", r#""AAAA""#, r#""BBBB""#),
+            ("image_pil", r#""AAAA""#, r#""BBBB""#),
+        ] {
+            let part = |v: &str| format!(r#"{{"type":"{kind}","{kind}":{v}}}"#);
+            let (first, second) = (ask(&part(a)), ask(&part(b)));
+            assert_ne!(
+                chain(&first, Api::Chat, &c),
+                chain(&second, Api::Chat, &c),
+                "{kind}"
+            );
+            let stream = [
+                &br#"system"You transcribe audio files faithfully."user"Transcribe this."#[..],
+                &media(kind, &[(kind, a)]),
+                b"\"",
+            ]
+            .concat();
+            assert_eq!(
+                chain(&first, Api::Chat, &c),
+                direct(Domain::Chat, &stream, Some("m"), &c),
+                "{kind}"
+            );
+            check_against_reference(&first, Api::Chat, &c);
+        }
     }
 
     #[test]

@@ -227,11 +227,14 @@ struct Clock(Cell<SteadyClock>);
 
 impl Clock {
     fn refresh(&self) {
+        // The floor first, then the wall clock: a floor read after the wall clock could hold a
+        // second another VM read in between, which this VM would take for a step back (and every
+        // such race would push all VMs' time a second ahead of the wall clock for good).
+        let (stored, cas) = SharedData.get(FLOOR_KEY);
+        let floor = decode_floor(stored.as_deref());
         let Ok(wall) = abi::now_seconds() else {
             return;
         };
-        let (stored, cas) = SharedData.get(FLOOR_KEY);
-        let floor = decode_floor(stored.as_deref());
         let mut clock = self.0.get();
         let now = clock.read(wall, floor);
         self.0.set(clock);
