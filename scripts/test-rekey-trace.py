@@ -7,6 +7,9 @@ import subprocess
 import sys
 import tempfile
 
+if not __debug__:  # python -O strips every assert: the checks would pass unseen
+    raise SystemExit(f"{__file__}: run without -O (its checks are asserts)")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location("rekey_trace", os.path.join(HERE, "rekey-trace.py"))
 rk = importlib.util.module_from_spec(spec)

@@ -5,6 +5,9 @@ import json
 import os
 import tempfile
 
+if not __debug__:  # python -O strips every assert: the checks would pass unseen
+    raise SystemExit(f"{__file__}: run without -O (its checks are asserts)")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location("replica_moves", os.path.join(HERE, "replica-moves.py"))
 rm = importlib.util.module_from_spec(spec)

@@ -50,11 +50,16 @@ fn inflight(envoy: &Envoy) -> Vec<u64> {
     gauges(envoy, "rank_inflight")
 }
 
-/// Polls until every rank's in-flight gauge reads 0; returns how long that took from `since`.
+/// Polls until every rank's in-flight gauge reads 0 as set by a tick after this call (the gauges
+/// are set on the tick: a 0 read before one may predate the load); returns how long that took
+/// from `since`.
 fn converged(envoy: &Envoy, since: Instant, what: &str) -> Duration {
+    let flushes = envoy.counters().get("stats_flushes");
     loop {
+        // Read before the gauges: a tick seen here set gauges at least as new as those read next.
+        let ticked = envoy.counters().get("stats_flushes") > flushes;
         let now = inflight(envoy);
-        if now.iter().all(|&n| n == 0) {
+        if ticked && now.iter().all(|&n| n == 0) {
             return since.elapsed();
         }
         assert!(
@@ -459,8 +464,11 @@ fn abandoned_streams_release_their_load() {
         .mock_args(&["--stream-interval-ms", "200"]),
     );
     let addr = stack.addr();
+    // Every client holds its stream open until the gauges have shown the load.
+    let shown = std::sync::Arc::new(std::sync::Barrier::new(101));
     let clients: Vec<thread::JoinHandle<usize>> = (0..100)
         .map(|i| {
+            let shown = shown.clone();
             thread::spawn(move || {
                 let body = json!({
                     "model": "mock",
@@ -479,11 +487,14 @@ fn abandoned_streams_release_their_load() {
                 // Read the start of the stream, then walk away mid-stream.
                 let mut buf = [0u8; 512];
                 let n = s.read(&mut buf).unwrap_or(0);
+                shown.wait();
                 drop(s);
                 n
             })
         })
         .collect();
+    let peak = wait_inflight_at_least(&stack.envoy, 1);
+    shown.wait();
     let read: Vec<usize> = clients
         .into_iter()
         .map(|c| c.join().expect("client"))
@@ -494,7 +505,9 @@ fn abandoned_streams_release_their_load() {
     );
     let done = Instant::now();
     let took = converged(&stack.envoy, done, "after 100 abandoned streams");
-    println!("abandon: 100 streams dropped mid-way, back to 0 in {took:?}");
+    println!(
+        "abandon: 100 streams dropped mid-way (a gauge sample {peak:?}), back to 0 in {took:?}"
+    );
     // A client leaving mid-answer is its own doing: nothing counts against the ranks.
     let counters = stack.settled();
     counters.assert_zero(&["answer_cut", "rank_errors", "rank_cooldown"]);

@@ -7,6 +7,7 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -759,23 +760,32 @@ fn pin_kept_with_one_request_in_flight() {
     let key = "busy-rank-conversation";
     let pinned = served_rank(&stack.send(&keyed(key)));
     settle();
-    let addr = stack.addr();
-    let (moved_to, stream_rank) = std::thread::scope(|scope| {
-        // A ~2 s streamed generation on the key's rank (explicit rank, counted in flight).
-        let long = scope.spawn(move || {
-            let request = chat(json!({ "stream": true, "max_tokens": 6 }))
-                .header(RANK_HEADER, &pinned.to_string());
-            let streamed = support::http::stream(addr, &request);
-            assert_eq!(streamed.status, 200);
-            streamed.header("x-dp-rank").map(str::to_string)
-        });
-        std::thread::sleep(Duration::from_millis(500));
-        let next_turn = served_rank(&stack.send(&keyed(key)));
-        (next_turn, long.join().expect("stream thread"))
-    });
+    // A ~2 s streamed generation on the key's rank (explicit rank, counted in flight): its
+    // answer has started (headers and first event read) before the key's next turn is sent.
+    let request =
+        chat(json!({ "stream": true, "max_tokens": 6 })).header(RANK_HEADER, &pinned.to_string());
+    let mut held = std::net::TcpStream::connect(stack.addr()).expect("connect");
+    held.write_all(&request.encode(true))
+        .expect("send the stream");
+    let mut start = [0u8; 2048];
+    let n = held.read(&mut start).expect("read the stream's start");
+    let head = String::from_utf8_lossy(&start[..n]).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(
+        head.contains(&format!("\r\nx-dp-rank: {pinned}\r\n")),
+        "the stream is not on the pinned rank {pinned}: {head}"
+    );
+    let moved_to = served_rank(&stack.send(&keyed(key)));
+    let mut rest = Vec::new();
+    held.read_to_end(&mut rest)
+        .expect("read the rest of the stream");
+    assert!(
+        String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "the stream did not finish after the next turn"
+    );
     let counters = stack.settled();
     println!(
-        "key pinned on {pinned}; with one streamed request in flight on rank {stream_rank:?} its next turn went to {moved_to}; moved={}",
+        "key pinned on {pinned}; with one streamed request in flight on it, its next turn went to {moved_to}; moved={}",
         counters.get("moved")
     );
     assert_eq!(

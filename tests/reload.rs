@@ -70,6 +70,11 @@ fn listener_reload_applies_valid_and_refuses_invalid_config() {
     let body = String::from_utf8_lossy(&stream.body()).into_owned();
     assert_eq!(stream.status, 200);
     assert!(
+        stream.header("x-served-a").is_some() && stream.header("x-served-b").is_none(),
+        "the stream did not start under config A (the reload came first): {:?}",
+        stream.headers
+    );
+    assert!(
         body.contains("data: [DONE]"),
         "the in-flight stream was cut by the reload: {body:?}"
     );

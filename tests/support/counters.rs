@@ -153,14 +153,17 @@ pub fn counter_of(envoy: &Envoy, name: &str) -> u64 {
     envoy.counters().get(name)
 }
 
-/// Polls until `envoy`'s counter `name` is exactly `expected`. Not for 0: a poll for 0 succeeds
-/// before any flush, so zeros are read from [`Envoy::settled_counters`].
+/// Asserts `envoy`'s counter `name` is exactly `expected`: polls until it reaches it, then reads
+/// it again once every VM has flushed (a sum flushed by some VMs only may equal `expected` while
+/// the whole is more). Not for 0: a poll for 0 succeeds before any flush, so zeros are read
+/// from [`Envoy::settled_counters`].
 pub fn assert_counter_of(envoy: &Envoy, name: &str, expected: u64) {
     assert!(
         expected > 0,
         "counter {name}: polling for 0 passes before any flush; assert it on settled_counters()"
     );
-    wait_counter(envoy, name, &format!("== {expected}"), |v| v == expected);
+    wait_counter(envoy, name, &format!(">= {expected}"), |v| v >= expected);
+    envoy.settled_counters().assert_eq(name, expected);
 }
 
 /// Polls until `envoy`'s counter `name` is at least `minimum` (> 0, as for [`assert_counter_of`]).
