@@ -784,13 +784,17 @@ def write_outputs(out_dir, stamp, results, meta):
 
 def check(results):
     """The smoke test: every run answered every request, and the filter beats round robin."""
-    failures = []
+    failures = [] if results else ["no run at all"]
     for cfg in results:
         rows = {r["policy"]: r for r in cfg["rows"]}
         for r in cfg["rows"]:
             if r["errors"] or not r["requests"]:
                 failures.append(f"{cfg['label']} {r['policy']}: {r['errors']} errors of {r['requests']} requests")
         rr = rows.get("envoy-rr")
+        filters = [r for r in cfg["rows"] if r["policy"].startswith("filter")]
+        if not rr or not filters:
+            # Nothing to compare: the check would pass without checking anything.
+            failures.append(f"{cfg['label']}: needs an envoy-rr row and a filter row, got {sorted(rows)}")
         for r in cfg["rows"]:
             if r["policy"].startswith("filter") and rr and not (r["hit_rate"] or 0) > (rr["hit_rate"] or 0):
                 failures.append(f"{cfg['label']} {r['policy']}: hit rate {r['hit_rate']} not above round robin {rr['hit_rate']}")

@@ -185,5 +185,5 @@ fn rank_killed_and_restarted_under_load() {
     }
     // Most failures were turns sent to their pin (the rest were first turns balanced onto the
     // rank as it died, or in flight when it was killed): those pins were dropped.
-    stack.assert_counter_at_least("unpinned", (failed_keys / 2) as u64);
+    stack.assert_counter_at_least("unpinned", (failed_keys / 2).max(1) as u64);
 }

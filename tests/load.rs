@@ -405,6 +405,11 @@ fn a_vm_trap_with_requests_in_flight_leaves_no_load_behind() {
         .into_iter()
         .map(|a| a.join().expect("client").status)
         .collect();
+    // A trapped VM's requests get Envoy's 503 (FAIL_RELOAD); the others are served.
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 503),
+        "{statuses:?}"
+    );
     let done = Instant::now();
     let took = converged(&stack.envoy, done, "after a VM trap with 16 in flight");
     println!(
