@@ -135,8 +135,8 @@ fn engine_reads_body_rank(cfg: &Config, h: &HeaderFacts<'_>) -> bool {
     cfg.explicit.enabled
         && h.trusted
         && !cfg.explicit.body_fields.is_empty()
-        && h.path
-            .and_then(|path| engine.for_path(path))
+        && h.engine_path
+            .and_then(|index| engine.paths.get(index))
             .is_some_and(|target| !target.body_fields.is_empty())
         && engine_parses_as_json(h.content_type)
 }

@@ -41,6 +41,9 @@ pub struct HeaderFacts<'a> {
     pub trusted: bool,
     /// The trust header is present (stripped before the upstream: the engine never sees it).
     pub has_trust_header: bool,
+    /// One engine behind (`target.mode: engine`): the index of the entry for this `:path` in its
+    /// paths (`EngineTarget::index_for`); `None` when no entry covers it, or in other modes.
+    pub engine_path: Option<usize>,
 }
 
 impl<'a> HeaderFacts<'a> {
@@ -83,6 +86,11 @@ impl<'a> HeaderFacts<'a> {
             }
         }
         f.trusted = secret_ok;
+        f.engine_path = cfg
+            .target
+            .engine()
+            .zip(f.path)
+            .and_then(|(engine, path)| engine.index_for(path));
         f
     }
 

@@ -92,19 +92,25 @@ const RESET_AFTER_RESPONSE: &[u8] = b"upstream_reset_after_response_started{";
 /// Whether `details` say the rank could not be reached (see [`CONNECT_FAILURES`]).
 fn unreachable(details: &[u8]) -> bool {
     details.starts_with(NO_HEALTHY_UPSTREAM)
-        || reset_reason(details, RESET_BEFORE_RESPONSE)
-            .is_some_and(|r| CONNECT_FAILURES.contains(&r))
+        || reset_for(details, RESET_BEFORE_RESPONSE, &CONNECT_FAILURES)
 }
 
-/// The reset reason of `details` that are `prefix{reason…}`.
-fn reset_reason<'a>(details: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
-    let reason = details.strip_prefix(prefix)?;
+/// Whether `details` are `prefix{reason…}` with `reason` one of `reasons`.
+fn reset_for(details: &[u8], prefix: &[u8], reasons: &[&[u8]]) -> bool {
+    let Some(reason) = details.strip_prefix(prefix) else {
+        return false;
+    };
     // The reason ends at `}`, or at `|` / `,` before the transport's detail.
     let end = reason
         .iter()
         .position(|&c| matches!(c, b'}' | b'|' | b','))
         .unwrap_or(reason.len());
-    reason.get(..end)
+    reason.get(..end).is_some_and(|r| reasons.contains(&r))
+}
+
+/// Whether `details` name one of Envoy's upstream time-outs ([`TIMED_OUT`]).
+fn timed_out(details: &[u8]) -> bool {
+    TIMED_OUT.iter().any(|p| details.starts_with(p))
 }
 
 /// Whether `details` (of a stream whose 2xx answer never reached its end) say the rank stopped
@@ -112,8 +118,7 @@ fn reset_reason<'a>(details: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
 /// ([`DROPPED`]). Not a client that left (`downstream_remote_disconnect`, …), which is its own
 /// doing.
 pub fn cut_by_rank(details: &[u8]) -> bool {
-    TIMED_OUT.iter().any(|p| details.starts_with(p))
-        || reset_reason(details, RESET_AFTER_RESPONSE).is_some_and(|r| DROPPED.contains(&r))
+    timed_out(details) || reset_for(details, RESET_AFTER_RESPONSE, &DROPPED)
 }
 
 /// Prefixes of Envoy's `response.code_details` for an upstream that did not answer in time.
@@ -134,12 +139,8 @@ pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
             None => Answer::RankError,
             Some(d) if d == VIA_UPSTREAM => Answer::RankError,
             Some(d) if unreachable(d) => Answer::RankUnreachable,
-            Some(d)
-                if reset_reason(d, RESET_BEFORE_RESPONSE).is_some_and(|r| DROPPED.contains(&r)) =>
-            {
-                Answer::RankDropped
-            }
-            Some(d) if TIMED_OUT.iter().any(|p| d.starts_with(p)) => Answer::RankTimeout,
+            Some(d) if reset_for(d, RESET_BEFORE_RESPONSE, &DROPPED) => Answer::RankDropped,
+            Some(d) if timed_out(d) => Answer::RankTimeout,
             Some(_) => Answer::ProxyError,
         },
         _ => Answer::Refused,

@@ -569,8 +569,7 @@ impl HttpContext for Filter {
         self.may_choose_rank = cfg.explicit.enabled && facts.trusted;
         if let Some(engine) = cfg.target.engine() {
             self.strip_engine_headers(engine, &headers);
-            let path = facts.path.unwrap_or_default();
-            let Some(index) = engine.index_for(path) else {
+            let Some(index) = facts.engine_path else {
                 // The engine reads no rank on this path: choosing one would only miscount.
                 rt.counters.add(Counter::Untargeted, 1);
                 return Action::Continue;
