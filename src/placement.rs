@@ -1603,13 +1603,13 @@ mod tests {
                 );
             }
         }
-        // A pin on a rank without a holder flag (14 and up) is never overruled by a history
+        // A pin on a rank without a holder flag (13 and up) is never overruled by a history
         // elsewhere: that its rank holds the history too could not have been recorded.
-        let wide = cfg(r#","dp_size":16,"prefix":{"enabled":true}"#);
+        let wide = Config::from_json(br#"{"dp_size":16,"prefix":{"enabled":true}}"#).unwrap();
         let facts = Facts {
             key: Some(KeyFacts {
                 hash: 77,
-                pinned: Some(15),
+                pinned: Some(13),
                 tag,
                 depth: 4,
             }),
@@ -1626,7 +1626,7 @@ mod tests {
             (
                 Target::Pinned {
                     hash: 77,
-                    rank: 15,
+                    rank: 13,
                     write_pin: false
                 },
                 Some(AffinityHit)

@@ -93,13 +93,14 @@
 //! the request's home (`prefix.load_blocks`, `prefix.home_blocks`). A conversation's own turns keep matching unmarked
 //! positions: each turn marks the position it matched, and the next turn matches deeper.
 //! Ranks that served a request sharing a position, other than the position's own, are
-//! remembered in the same flags (*holders*, ranks 0–13), so a shared prefix goes to the least
+//! remembered in the same flags (*holders*, ranks 0–12), so a shared prefix goes to the least
 //! loaded rank already holding it before it is copied to yet another one.
 //!
 //! The two entries where a prompt ends also remember where its anchor was taken (the entry's
 //! 4-bit tag, see [`PrefixIndex::anchor`]): the conversation's next turn, which matches there, is
 //! named as its earlier turns were, instead of by the position past a match that deepens every
-//! turn. Such a tagged end is marked *continued*, not branched, by the first prompt that goes on
+//! turn. They are flagged as a prompt's end, also where the tag cannot hold the anchor's
+//! position. Such an end is marked *continued*, not branched, by the first prompt that goes on
 //! past it, and branched by the second: a block-id trace's next turn replaces its previous turn's
 //! partial last block, so when a turn grows by less than a block or two it matches where the
 //! previous turn went on from (that turn's match), which it would otherwise read as branched by
@@ -111,7 +112,7 @@ use crate::chain::Opening;
 use crate::config_sections::PrefixConfig;
 use crate::table::{
     holder_flag, AffinityTable, Lookup, Store, StoreError, Stored, TableEvents, FLAG_BRANCHED,
-    FLAG_CONTINUED, MAX_TAG,
+    FLAG_CONTINUED, FLAG_END, MAX_TAG,
 };
 
 /// What [`PrefixIndex::longest_match`] found.
@@ -135,6 +136,9 @@ pub struct Match {
     /// turn that does not repeat its previous turn's last block exactly matches here, at the
     /// point that turn went on from. The next prompt to go on past it marks it branched.
     pub continued: bool,
+    /// The position is one of the two a prompt recorded last, at its end: the first prompt to
+    /// go on past it may be that prompt's next turn, and marks it continued, not branched.
+    pub ended: bool,
     /// How the request that recorded that position was anchored (`None`: not known), so that
     /// the conversation's next turn, whose match on its own history ends deeper, is named as
     /// its earlier turns were (see [`PrefixIndex::anchor`]).
@@ -332,9 +336,10 @@ impl PrefixIndex {
             rank: found.map(|(_, rank, _, _)| rank),
             branched: found.is_some_and(|(_, _, flags, _)| flags & FLAG_BRANCHED != 0),
             holders: found.map_or(0, |(_, _, flags, _)| {
-                flags & !(FLAG_BRANCHED | FLAG_CONTINUED)
+                flags & !(FLAG_BRANCHED | FLAG_END | FLAG_CONTINUED)
             }),
             continued: found.is_some_and(|(_, _, flags, _)| flags & FLAG_CONTINUED != 0),
+            ended: found.is_some_and(|(_, _, flags, _)| flags & FLAG_END != 0),
             anchored_at: found.and_then(|(_, _, _, tag)| self.anchored_at(tag)),
             fine_base,
             reads: counting.reads.get(),
@@ -378,7 +383,9 @@ impl PrefixIndex {
     ) -> (TableEvents, bool) {
         let mut events = TableEvents::default();
         let mut wrote = false;
-        // Only the prompt's end is tagged, and the position before it: the conversation's next
+        // Only the prompt's end is tagged and flagged as an end (the flag also where the tag
+        // cannot say where the anchor was: off the grid, or past the positions 4 bits hold),
+        // and the position before it: the conversation's next
         // turn matches there (before it when the next turn does not repeat this prompt's last
         // block exactly: a trace's partial last block, a template's closing), while a match
         // further inside the prompt is another prompt sharing a prefix of it (which may not be
@@ -396,7 +403,9 @@ impl PrefixIndex {
             if let Some(&h) = chain.get(p as usize - 1) {
                 let near_end = Some(p) == end || Some(p) == before_end;
                 let written_tag = if near_end { tag } else { 0 };
-                let pinned = self.table.pin_tagged(store, h, rank, written_tag, now);
+                let pinned = self
+                    .table
+                    .pin_tagged(store, h, rank, written_tag, near_end, now);
                 events.add(pinned);
                 // A write lost to a race recorded nothing: the prompt did not go on past the
                 // match as far as the index knows, so the match must not become branched.
@@ -598,7 +607,7 @@ impl PrefixIndex {
 
 /// The flags recording under `rank` adds to the matched position (0: none): branched when the
 /// prompt went on past it, `rank` as a holder when it is not the position's rank. Where a
-/// prompt ended (a tagged position), the first prompt to go on past it marks it continued
+/// prompt ended (flagged as its end), the first prompt to go on past it marks it continued
 /// instead, and only the second branched: a block-id trace's next turn replaces its previous
 /// turn's partial last block, so it matches where that turn went on from, not where it ended
 /// (measured on Mooncake's conversations at 384 bytes a block: 0.964 → 0.986 × oracle on 4
@@ -610,7 +619,7 @@ fn marks_needed(matched: &Match, rank: u32, wrote: bool) -> u16 {
     };
     let mut flags = 0;
     if wrote && !matched.branched {
-        if matched.anchored_at.is_some() && !matched.continued {
+        if matched.ended && !matched.continued {
             flags |= FLAG_CONTINUED;
         } else {
             flags |= FLAG_BRANCHED;
@@ -1071,6 +1080,47 @@ mod tests {
         assert_eq!((events.cas_exhausted, s.lose_races.get()), (3, 0));
         let again = idx.longest_match(&s, &b, 1000, 4);
         assert_eq!((again.blocks, again.branched), (8, false));
+    }
+
+    #[test]
+    fn an_end_whose_anchor_no_tag_holds_is_continued_by_the_next_turn() {
+        let s = MemStore::default();
+        let idx = PrefixIndex::new(&index_cfg(64, 16));
+        idx.table().ensure_buckets(&s);
+        // A 4-block system prompt two conversations went on from: branched.
+        let system = random_chain(1, 4, &[], 0);
+        for (tag, rank) in [(2, 0), (3, 1)] {
+            let c = random_chain(tag, 10, &system, 4);
+            let m = idx.longest_match(&s, &c, 1000, 4);
+            idx.record(&s, &c, rank, 1000, &m);
+        }
+        // A third conversation's first turn ends one block past it, off the grid (6 is next):
+        // named by its last block, a position no tag holds.
+        let turn1 = random_chain(4, 5, &system, 4);
+        let m = idx.longest_match(&s, &turn1, 1000, 4);
+        assert_eq!((m.blocks, m.branched), (4, true));
+        assert_eq!(idx.tag(idx.anchor(&turn1, None, &m).map(|a| a.at)), 0);
+        idx.record(&s, &turn1, 2, 1000, &m);
+        // Its second turn matches where the first ended (5), and goes on past it.
+        let turn2 = random_chain(4, 6, &turn1, 5);
+        let m = idx.longest_match(&s, &turn2, 1000, 4);
+        assert_eq!(
+            (m.blocks, m.rank, m.branched, m.ended),
+            (5, Some(2), false, true)
+        );
+        idx.record(&s, &turn2, 2, 1000, &m);
+        // A third turn that does not repeat the second's last block (a trace's partial block)
+        // matches where the second went on from: still the conversation's own history, as at a
+        // tagged end. (Read as branched, it was placed as a new conversation sharing a prefix.)
+        let mut turn3 = random_chain(5, 8, &turn2, 5);
+        turn3[5] ^= 1;
+        let m = idx.longest_match(&s, &turn3, 1000, 4);
+        assert_eq!((m.blocks, m.rank), (5, Some(2)));
+        assert_eq!((m.branched, m.continued), (false, true));
+        // The next prompt to go on past it marks it branched.
+        idx.record(&s, &turn3, 2, 1000, &m);
+        let other = random_chain(6, 8, &turn1, 5);
+        assert!(idx.longest_match(&s, &other, 1000, 4).branched);
     }
 
     #[test]

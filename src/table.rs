@@ -7,10 +7,11 @@
 //! prefix index uses to remember how a conversation was anchored (0 for the affinity table's
 //! keys, and in entries written before tags existed).
 //! The affinity table writes no flags; the prefix index marks positions other prompts branched
-//! from ([`FLAG_BRANCHED`]), prompt ends one prompt went on from ([`FLAG_CONTINUED`]) and the
-//! other ranks known to hold them ([`holder_flag`]). Entries written before flags existed read
-//! as flag-free (an entry written by a build that still gave rank 14 the top bit as a holder
-//! flag reads as continued: at worst one more prompt is taken for that prompt's next turn).
+//! from ([`FLAG_BRANCHED`]), where prompts ended ([`FLAG_END`]), prompt ends one prompt went on
+//! from ([`FLAG_CONTINUED`]) and the other ranks known to hold them ([`holder_flag`]). Entries
+//! written before flags existed read as flag-free. A bit that an older build gave a holder rank
+//! reads differently in a newer one (rank 14's is now continued, rank 13's a prompt's end): at
+//! worst one more prompt is taken for that prompt's next turn.
 //! Memory is therefore `buckets × ways × 16` bytes of values whatever clients send.
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
@@ -43,7 +44,12 @@ const ENTRY: usize = 16;
 pub const FLAG_BRANCHED: u16 = 1;
 
 /// Ranks below this have a holder flag.
-pub const HOLDER_RANKS: u32 = 14;
+pub const HOLDER_RANKS: u32 = 13;
+
+/// Entry flag: a prompt ended at this prefix-index position (or one before its end), so the
+/// first prompt to go on past it may be that prompt's next turn: it marks it
+/// [`FLAG_CONTINUED`], not [`FLAG_BRANCHED`] (see `prefix_index`).
+pub const FLAG_END: u16 = 1 << 14;
 
 /// Entry flag: one prompt went on past this prefix-index position, where the prompt that
 /// recorded it ended; the next to go on past it marks it [`FLAG_BRANCHED`] (see
@@ -51,8 +57,8 @@ pub const HOLDER_RANKS: u32 = 14;
 pub const FLAG_CONTINUED: u16 = 1 << 15;
 
 /// Entry flag: rank `rank` (besides the entry's own) holds the prefix. Ranks from
-/// [`HOLDER_RANKS`] on have none (0): between [`FLAG_BRANCHED`] and [`FLAG_CONTINUED`] the
-/// flags field has 14 bits to spare.
+/// [`HOLDER_RANKS`] on have none (0): between [`FLAG_BRANCHED`] and [`FLAG_END`] the flags
+/// field has 13 bits to spare.
 pub fn holder_flag(rank: u32) -> u16 {
     if rank < HOLDER_RANKS {
         1 << (rank + 1)
@@ -308,24 +314,29 @@ impl AffinityTable {
 
     /// Pins `hash` to `rank`, evicting the least recently used entry if the bucket is full.
     pub fn pin(&self, store: &dyn Store, hash: u64, rank: u32, now: u32) -> TableEvents {
-        self.pin_tagged(store, hash, rank, 0, now)
+        self.pin_with(store, hash, rank, 0, (u16::MAX, 0), now)
     }
 
-    /// [`pin`](Self::pin), with `tag` (at most [`MAX_TAG`]) stored beside the rank. A rank
-    /// beyond the 12 bits an entry holds is stored as 4095 (`dp_size` is at most 4096).
+    /// [`pin`](Self::pin), with `tag` (at most [`MAX_TAG`]) stored beside the rank, and
+    /// [`FLAG_END`] set when `end` (cleared otherwise: like the tag, it tells what the last
+    /// request to write the entry was; the entry's other flags are kept). A rank beyond the 12
+    /// bits an entry holds is stored as 4095 (`dp_size` is at most 4096).
     pub fn pin_tagged(
         &self,
         store: &dyn Store,
         hash: u64,
         rank: u32,
         tag: u8,
+        end: bool,
         now: u32,
     ) -> TableEvents {
-        self.pin_with(store, hash, rank, tag, None, now)
+        let end_flag = if end { FLAG_END } else { 0 };
+        self.pin_with(store, hash, rank, tag, (!FLAG_END, end_flag), now)
     }
 
-    /// [`pin_tagged`](Self::pin_tagged), with the entry's flags set to `flags` (a routing key's
-    /// pin keeps no prefix flags: its flags field holds what the caller puts there).
+    /// [`pin`](Self::pin), with `tag` stored beside the rank and the entry's flags set to
+    /// `flags` (a routing key's pin keeps no prefix flags: its flags field holds what the caller
+    /// puts there).
     pub fn pin_flagged(
         &self,
         store: &dyn Store,
@@ -335,16 +346,18 @@ impl AffinityTable {
         flags: u16,
         now: u32,
     ) -> TableEvents {
-        self.pin_with(store, hash, rank, tag, Some(flags), now)
+        self.pin_with(store, hash, rank, tag, (0, flags), now)
     }
 
+    /// Pins `hash` to `rank` with `tag`; `(keep, set)`: its flags become those it has that
+    /// `keep` names (a live entry's; a new or expired one has none) and `set`.
     fn pin_with(
         &self,
         store: &dyn Store,
         hash: u64,
         rank: u32,
         tag: u8,
-        flags: Option<u16>,
+        (keep, set): (u16, u16),
         now: u32,
     ) -> TableEvents {
         let rank = u16::try_from(rank).map_or(RANK_MASK, |r| r.min(RANK_MASK));
@@ -354,12 +367,8 @@ impl AffinityTable {
             // one's describe prompts and caches of long ago (a branch, ranks that held it):
             // they go with it.
             if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
-                if !self.is_live(e, now) {
-                    e.flags = 0;
-                }
-                if let Some(flags) = flags {
-                    e.flags = flags;
-                }
+                let kept = if self.is_live(e, now) { e.flags } else { 0 };
+                e.flags = kept & keep | set;
                 e.rank = rank;
                 e.tag = tag;
                 e.last_used = now;
@@ -375,7 +384,7 @@ impl AffinityTable {
                 last_used: now,
                 rank,
                 tag,
-                flags: flags.unwrap_or(0),
+                flags: set,
             });
             true
         })
@@ -700,7 +709,7 @@ pub mod tests {
     #[test]
     fn a_tag_is_kept_beside_the_rank_and_replaced_by_a_repin() {
         let (s, t) = (MemStore::default(), table(1, 4));
-        t.pin_tagged(&s, 42, 4095, 9, 5);
+        t.pin_tagged(&s, 42, 4095, 9, false, 5);
         t.mark(&s, 42, FLAG_BRANCHED, 5);
         assert_eq!(
             t.lookup_flagged(&s, 42, 5, 4096),
@@ -710,14 +719,20 @@ pub mod tests {
         assert_eq!(t.lookup(&s, 42, 5, 4095), Lookup::Miss);
         // A repin replaces the tag (and keeps the flags); an untagged pin writes 0; a tag or rank
         // beyond the field's bits is clamped, never spills into the other.
-        t.pin_tagged(&s, 42, 2, 99, 6);
+        t.pin_tagged(&s, 42, 2, 99, true, 6);
         assert_eq!(
             t.lookup_flagged(&s, 42, 6, 4),
-            (Lookup::Hit { rank: 2 }, FLAG_BRANCHED, MAX_TAG)
+            (Lookup::Hit { rank: 2 }, FLAG_BRANCHED | FLAG_END, MAX_TAG)
         );
+        // The end flag, like the tag, tells what the last write was: a repin that is not at a
+        // prompt's end clears it (and keeps the other flags), as a plain pin keeps it.
+        t.pin(&s, 42, 2, 6);
+        assert_eq!(t.lookup_flagged(&s, 42, 6, 4).1, FLAG_BRANCHED | FLAG_END);
+        t.pin_tagged(&s, 42, 2, 1, false, 6);
+        assert_eq!(t.lookup_flagged(&s, 42, 6, 4).1, FLAG_BRANCHED);
         t.pin(&s, 42, 1, 7);
         assert_eq!(t.lookup_flagged(&s, 42, 7, 4).2, 0);
-        t.pin_tagged(&s, 43, 70_000, 3, 7);
+        t.pin_tagged(&s, 43, 70_000, 3, false, 7);
         assert_eq!(
             t.lookup_flagged(&s, 43, 7, 4096),
             (Lookup::Hit { rank: 4095 }, 0, 3)
@@ -772,14 +787,17 @@ pub mod tests {
     }
 
     #[test]
-    fn holder_flags_name_ranks_below_fourteen() {
+    fn holder_flags_name_ranks_below_thirteen() {
         assert_eq!(holder_flag(0), 2);
-        assert_eq!(holder_flag(13), 1 << 14);
-        assert_eq!(holder_flag(14), 0);
+        assert_eq!(holder_flag(12), 1 << 13);
+        assert_eq!(holder_flag(13), 0);
         assert_eq!(holder_flag(u32::MAX), 0);
-        let flags = FLAG_BRANCHED | FLAG_CONTINUED | holder_flag(3) | holder_flag(13);
-        assert_eq!(holders(flags).collect::<Vec<_>>(), vec![3, 13]);
-        assert_eq!(holders(FLAG_BRANCHED | FLAG_CONTINUED).count(), 0);
+        let flags = FLAG_BRANCHED | FLAG_END | FLAG_CONTINUED | holder_flag(3) | holder_flag(12);
+        assert_eq!(holders(flags).collect::<Vec<_>>(), vec![3, 12]);
+        assert_eq!(
+            holders(FLAG_BRANCHED | FLAG_END | FLAG_CONTINUED).count(),
+            0
+        );
         // Several bits at once, and a second mark with one new bit writes again.
         let (s, t) = (MemStore::default(), table(1, 4));
         t.pin(&s, 42, 1, 5);
