@@ -13,6 +13,7 @@ use crate::assign::{Bound, Mode};
 use crate::chain::PrefixHasher;
 use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
+use crate::json_scan::{ScanError, Scanner};
 use crate::ranks::StrikeRule;
 use crate::table::MAX_WAYS;
 use crate::target::{Engine, EngineTarget, PathTarget};
@@ -116,7 +117,8 @@ struct RawTarget {
     mode: String,
     cluster_header: String,
     cluster_template: String,
-    engine_header: String,
+    /// `None`: not set (`engine_header` mode then uses [`DEFAULT_ENGINE_HEADER`]).
+    engine_header: Option<String>,
     engine: String,
     paths: Option<Vec<RawPathTarget>>,
 }
@@ -127,7 +129,7 @@ impl Default for RawTarget {
             mode: "cluster".into(),
             cluster_header: "x-dp-affinity-cluster".into(),
             cluster_template: "dp-rank-{rank}".into(),
-            engine_header: "x-data-parallel-rank".into(),
+            engine_header: None,
             engine: String::new(),
             paths: None,
         }
@@ -349,11 +351,14 @@ fn read_target(path: &str, v: &Value, r: &mut RawTarget) -> Result<(), ConfigErr
             "cluster_template" => r.cluster_template = as_string(path, v)?,
             "engine" => r.engine = as_string(path, v)?,
             "paths" => r.paths = Some(read_paths(path, v)?),
-            _ => r.engine_header = as_string(path, v)?,
+            _ => r.engine_header = Some(as_string(path, v)?),
         }
         Ok(())
     })
 }
+
+/// The header `engine_header` mode sets when `target.engine_header` is not given.
+const DEFAULT_ENGINE_HEADER: &str = "x-data-parallel-rank";
 
 fn read_paths(path: &str, v: &Value) -> Result<Vec<RawPathTarget>, ConfigError> {
     let Value::Array(items) = v else {
@@ -418,7 +423,7 @@ fn read_learn(path: &str, v: &Value, r: &mut RawLearn) -> Result<(), ConfigError
                     return Err(err(path, "expected an object of \"address:port\": rank"));
                 };
                 for (addr, rank) in obj {
-                    map.insert(addr.clone(), as_u32(&format!("{path}.{addr}"), rank)?);
+                    map.insert(addr.clone(), as_u32(&format!("{path}[{addr:?}]"), rank)?);
                 }
                 r.upstream_addresses = map;
             }
@@ -760,6 +765,51 @@ pub struct LearnConfig {
     pub upstream_addresses: HashMap<String, u32>,
 }
 
+/// The first member name that appears twice in one object of `json`, at any depth, as written
+/// (two spellings of one name, one with escapes, are not caught): JSON parsers keep the last
+/// copy without a word, so an overlay merged into a configuration that repeats `explicit_rank`
+/// would drop the first copy's trust secret unnoticed. `json` has been parsed by serde_json
+/// already: valid, and nested at most 128 deep, which bounds the recursion.
+fn member_named_twice(json: &[u8]) -> Option<&[u8]> {
+    twice_in(&mut Scanner { b: json, i: 0 }).ok().flatten()
+}
+
+fn twice_in<'a>(s: &mut Scanner<'a>) -> Result<Option<&'a [u8]>, ScanError> {
+    s.skip_ws();
+    let close = match s.peek() {
+        Some(b'{') => b'}',
+        Some(b'[') => b']',
+        _ => return s.skip_value().map(|()| None),
+    };
+    s.i += 1;
+    let mut names: Vec<&[u8]> = Vec::new();
+    loop {
+        s.skip_ws();
+        if s.peek() == Some(close) {
+            s.i += 1;
+            return Ok(None);
+        }
+        if close == b'}' {
+            let start = s.i;
+            s.skip_string()?;
+            let name = s.b.get(start..s.i).unwrap_or_default();
+            if names.contains(&name) {
+                return Ok(Some(name));
+            }
+            names.push(name);
+            s.skip_ws();
+            s.expect(b':')?;
+        }
+        if let Some(twice) = twice_in(s)? {
+            return Ok(Some(twice));
+        }
+        s.skip_ws();
+        if s.peek() == Some(b',') {
+            s.i += 1;
+        }
+    }
+}
+
 #[inline(never)]
 fn err(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {
@@ -773,6 +823,15 @@ impl Config {
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
         let v: Value = serde_json::from_slice(bytes)
             .map_err(|e| err("configuration", format!("not valid JSON: {e}")))?;
+        if let Some(name) = member_named_twice(bytes) {
+            return Err(err(
+                "configuration",
+                format!(
+                    "member {} appears twice in one object (only one copy can count)",
+                    String::from_utf8_lossy(name)
+                ),
+            ));
+        }
         let raw = read_raw(&v)?;
         compile(raw)
     }
@@ -781,6 +840,13 @@ impl Config {
     /// them at warning level when it accepts the configuration).
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if self.prefix.enabled && self.body.content_types.is_empty() {
+            out.push(
+                "plugin configuration: body.content_types is empty, so no body is read: \
+                 prompt-prefix placement (prefix.enabled) and body fields never see a request."
+                    .to_string(),
+            );
+        }
         if !self.key.seeded {
             out.push(
                 "plugin configuration: routing_key.hash_seed is empty, so routing keys and prompt \
@@ -816,6 +882,18 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     check_request_header_roles(&explicit, &key, &cluster_header, &target)?;
     check_target_body_fields(&target, &key, &assign)?;
     let learn = compile_learn(raw.learn, dp_size)?;
+    // Envoy's balancer places every new key; the filter pins the rank it learns from the
+    // answer. With nothing to learn it from, no key would ever be pinned.
+    if assign.mode == Mode::Envoy
+        && learn.response_header.is_none()
+        && learn.upstream_addresses.is_empty()
+    {
+        return Err(err(
+            "learn.response_header",
+            "assign.mode \"envoy\" learns each key's rank from the answer: set \
+             learn.response_header or learn.upstream_addresses",
+        ));
+    }
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
     let table = compile_table("table", raw.table)?;
@@ -847,12 +925,26 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     })
 }
 
+/// The trust secret, which a caller must be able to send as a header value: visible ASCII only.
+/// A header value arrives without surrounding white space and cannot hold control bytes, so a
+/// secret read from a file with its newline would make every caller untrusted, without a word.
+fn trusted_secret(secret: String) -> Result<Vec<u8>, ConfigError> {
+    if !secret.bytes().all(|c| c.is_ascii_graphic()) {
+        return Err(err(
+            "explicit_rank.trusted_secret",
+            "must be visible ASCII (no spaces, line breaks or other bytes a header value cannot \
+             carry): no caller could send it",
+        ));
+    }
+    Ok(secret.into_bytes())
+}
+
 fn compile_explicit(raw: RawExplicitRank) -> Result<ExplicitRankConfig, ConfigError> {
     let trust = match (raw.trusted_header.is_empty(), raw.trusted_secret.is_empty()) {
         (true, true) => None,
         (false, false) => Some(Trust {
             header: header_name("explicit_rank.trusted_header", &raw.trusted_header)?,
-            secret: raw.trusted_secret.into_bytes(),
+            secret: trusted_secret(raw.trusted_secret)?,
         }),
         (true, false) => {
             return Err(err(
@@ -944,6 +1036,11 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     if !(1..=3600).contains(&raw.failure_window_seconds) {
         return Err(err("assign.failure_window_seconds", "must be in 1..=3600"));
     }
+    // A cool-down only ever lengthens (`RankStates::mark_down`) and outlives a reload: an hour
+    // at most, so a typo cannot take a rank out until Envoy restarts.
+    if raw.cooldown_seconds > 3600 {
+        return Err(err("assign.cooldown_seconds", "must be in 0..=3600"));
+    }
     Ok(AssignConfig {
         mode,
         seed: KeyedHasher::from_seed(b"").hash(raw.seed.as_bytes()),
@@ -974,10 +1071,13 @@ fn compile_body(
     let mut content_types = Vec::new();
     for ct in &raw.content_types {
         let t = ct.trim().to_ascii_lowercase();
-        if t.is_empty() || !t.contains('/') || t.contains(';') {
+        if t.is_empty() || !t.contains('/') || t.contains(';') || t.contains('*') {
             return Err(err(
                 "body.content_types",
-                format!("{ct:?} is not a media type like \"application/json\""),
+                format!(
+                    "{ct:?} is not a media type like \"application/json\" (each is matched \
+                     whole: no wildcards)"
+                ),
             ));
         }
         content_types.push(t);
@@ -1023,12 +1123,24 @@ fn compile_target(
             "target.engine and target.paths need target.mode \"engine\"",
         ));
     }
+    // Checked in every mode (an operator may set it before switching the mode), refused where
+    // each path names its own header.
+    let engine_header = header_name(
+        "target.engine_header",
+        raw.engine_header
+            .as_deref()
+            .unwrap_or(DEFAULT_ENGINE_HEADER),
+    )?;
+    if raw.mode == "engine" && raw.engine_header.is_some() {
+        return Err(err(
+            "target.engine_header",
+            "is used by target.mode \"engine_header\" only: in \"engine\" mode the preset or \
+             each of target.paths names the header",
+        ));
+    }
     let mode = match raw.mode.as_str() {
         "cluster" => TargetMode::Cluster,
-        "engine_header" => TargetMode::Engine(EngineTarget::one_header(&header_name(
-            "target.engine_header",
-            &raw.engine_header,
-        )?)),
+        "engine_header" => TargetMode::Engine(EngineTarget::one_header(&engine_header)),
         "engine" => TargetMode::Engine(compile_engine_paths(&raw.engine, raw.paths)?),
         other => {
             return Err(err(
@@ -1038,14 +1150,14 @@ fn compile_target(
         }
     };
     let header = header_name("target.cluster_header", &raw.cluster_header)?;
-    if !raw.cluster_template.contains("{rank}") {
+    if rank_placeholder(&raw.cluster_template).is_none() {
         return Err(err(
             "target.cluster_template",
             format!("must contain \"{{rank}}\", got {:?}", raw.cluster_template),
         ));
     }
     let names: Vec<String> = (0..dp_size)
-        .map(|r| raw.cluster_template.replace("{rank}", &r.to_string()))
+        .map(|r| with_rank(&raw.cluster_template, r))
         .collect();
     if let Some(bad) = names.iter().find(|n| !is_header_value_safe(n)) {
         return Err(err(
@@ -1057,6 +1169,25 @@ fn compile_target(
 }
 
 /// `target.mode: engine`: a preset (`target.engine`) or an explicit list (`target.paths`).
+/// Where `{rank}` first appears in `template`. (A byte search: `str::contains` of a `&str`
+/// would be the module's only use of the standard substring search, 2.6 KB of code.)
+fn rank_placeholder(template: &str) -> Option<usize> {
+    template.as_bytes().windows(6).position(|w| w == b"{rank}")
+}
+
+/// `template` with every `{rank}` replaced by `rank`.
+fn with_rank(template: &str, rank: u32) -> String {
+    let mut name = String::new();
+    let mut rest = template;
+    while let Some(at) = rank_placeholder(rest) {
+        name.push_str(rest.get(..at).unwrap_or_default());
+        name.push_str(&rank.to_string());
+        rest = rest.get(at + 6..).unwrap_or_default();
+    }
+    name.push_str(rest);
+    name
+}
+
 fn compile_engine_paths(
     engine: &str,
     paths: Option<Vec<RawPathTarget>>,
@@ -1171,25 +1302,58 @@ fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError
     })
 }
 
-/// Whether `addr` has the shape of Envoy's `upstream.address`: an IPv4 address or a bracketed
-/// IPv6 address, `:`, a port. The characters only, not the values: enough to catch a host name, a
-/// missing port or a URL, which would never match.
+/// Whether `addr` is written as Envoy writes `upstream.address`, which is looked up as a string:
+/// an IPv4 address (four numbers up to 255) or a bracketed IPv6 address in lower case, `:`, a
+/// port, no number with a leading zero. Catches a host name, a missing port, a URL, `08000`
+/// or upper-case hex, which would never match. (Not every IPv6 spelling Envoy would shorten:
+/// `[fd00:0:0::5]` passes, and never matches either.)
 fn is_ip_and_port(addr: &str) -> bool {
     let Some((host, port)) = addr.rsplit_once(':') else {
         return false;
     };
-    let port_ok = !port.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0);
+    let port_ok = plain_number(port.as_bytes(), false).is_some_and(|p| (1..=65535).contains(&p));
     let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => {
             v6.contains(':')
-                && v6
-                    .bytes()
-                    .all(|c| c.is_ascii_hexdigit() || c == b':' || c == b'.')
+                && v6.as_bytes().split(|&c| c == b':').all(|group| {
+                    group.is_empty()
+                        || (group.len() <= 4 && plain_number(group, true).is_some())
+                        || is_ipv4(group)
+                })
         }
-        None => host.contains('.') && host.bytes().all(|c| c.is_ascii_digit() || c == b'.'),
+        None => is_ipv4(host.as_bytes()),
     };
     port_ok && host_ok
 }
+
+/// Four decimal numbers up to 255, dot-separated, as Envoy writes them.
+fn is_ipv4(host: &[u8]) -> bool {
+    let mut parts = 0;
+    let numbers_ok = host.split(|&c| c == b'.').all(|n| {
+        parts += 1;
+        plain_number(n, false).is_some_and(|v| v <= 255)
+    });
+    numbers_ok && parts == 4
+}
+
+/// The value of `n`, decimal or lower-case hex digits, at least one and at most five, no
+/// leading zero.
+fn plain_number(n: &[u8], hex: bool) -> Option<u32> {
+    if n.is_empty() || n.len() > 5 || (n.len() > 1 && n.first() == Some(&b'0')) {
+        return None;
+    }
+    n.iter().try_fold(0u32, |v, &c| {
+        let digit = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' if hex => c - b'a' + 10,
+            _ => return None,
+        };
+        Some(v * if hex { 16 } else { 10 } + u32::from(digit))
+    })
+}
+
+/// Entries one table may hold (`buckets × ways`; the error message spells it out).
+const MAX_TABLE_ENTRIES: u64 = 1 << 24;
 
 fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> {
     let field = |name: &str| format!("{path}.{name}");
@@ -1198,6 +1362,13 @@ fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> 
     }
     if raw.ways == 0 || raw.ways > MAX_WAYS {
         return Err(err(&field("ways"), format!("must be in 1..={MAX_WAYS}")));
+    }
+    // 16 bytes an entry: at most 256 MiB of shared data per table.
+    if u64::from(raw.buckets) * u64::from(raw.ways) > MAX_TABLE_ENTRIES {
+        return Err(err(
+            &field("buckets"),
+            "buckets x ways must be at most 16777216 entries (256 MiB)",
+        ));
     }
     // A hit rewrites its entry's last use at most once a second (`refresh_seconds`, 0 counting
     // as 1), and an entry is dead once unused for `ttl_seconds`: a refresh not due before that
@@ -1401,6 +1572,11 @@ mod tests {
             c.cluster_names,
             ["dp-rank-0", "dp-rank-1", "dp-rank-2", "dp-rank-3"]
         );
+        // Every `{rank}` of the template is filled in, wherever it is.
+        let twice = parse(r#"{"dp_size":11,"target":{"cluster_template":"{rank}-x-{rank}{rank"}}"#)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(twice.cluster_names[10], "10-x-10{rank");
+        assert_eq!(twice.cluster_names[0], "0-x-0{rank");
         assert_eq!(c.learn.response_header.as_deref(), Some("x-dp-rank"));
         assert_eq!(c.echo_header.as_deref(), Some("x-dp-rank"));
         assert_eq!((c.table.buckets, c.table.ways), (65_536, 16));
@@ -1865,12 +2041,72 @@ mod tests {
         let json = r#"{"dp_size":4,"learn":{"upstream_addresses":{"127.0.0.1:18000":0,"[::1]:8000":1,"[fd00::5]:30001":2}}}"#;
         let c = parse(json).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.learn.upstream_addresses.len(), 3);
-        let e = parse(r#"{"dp_size":4,"learn":{"upstream_addresses":{"10.0.0.5":1}}}"#)
-            .expect_err("an address without a port is refused");
-        assert!(e.to_string().contains("would never match"), "{e}");
+        // Written otherwise than Envoy writes `upstream.address` (a string lookup): never a
+        // match, so refused.
+        for addr in [
+            "10.0.0.5",
+            "[FD00::5]:8000",
+            "[fd00::05]:8000",
+            "10.0.0.5:08000",
+            "010.0.0.5:8000",
+            "1.2.3:80",
+            "1.2.3.4.5:80",
+            "999.0.0.1:80",
+            "10.0.0.5:0",
+            "10.0.0.5:",
+            "[fd00::5:8000",
+        ] {
+            let json =
+                format!(r#"{{"dp_size":4,"learn":{{"upstream_addresses":{{"{addr}":1}}}}}}"#);
+            let e = parse(&json).expect_err(&json);
+            assert!(e.to_string().contains("would never match"), "{e}");
+        }
+        for addr in [
+            "0.0.0.0:1",
+            "255.255.255.255:65535",
+            "[::]:80",
+            "[::ffff:10.0.0.5]:80",
+        ] {
+            let json =
+                format!(r#"{{"dp_size":4,"learn":{{"upstream_addresses":{{"{addr}":1}}}}}}"#);
+            assert!(parse(&json).is_ok(), "{json}");
+        }
         let e = parse(r#"{"dp_size":4,"assign":{"load_factor":3.0}}"#)
             .expect_err("a load factor over the pinned one is refused");
         assert!(e.to_string().contains("its default, 2.0, is below"), "{e}");
+    }
+
+    #[test]
+    fn limits_and_off_switches_at_their_edges() {
+        let c = parse(
+            r#"{"dp_size":4,"assign":{"cooldown_seconds":3600},"table":{"buckets":262144,"ways":64},
+                "explicit_rank":{"trusted_header":"x-t","trusted_secret":"~!s3cret-:;"}}"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.assign.cooldown_seconds, 3600);
+        assert_eq!(c.table.buckets * c.table.ways, 1 << 24);
+        // Envoy mode learns from the answer's header (the default) or from addresses alone.
+        let addresses_only = r#"{"dp_size":4,"assign":{"mode":"envoy"},"prefix":{"enabled":false},
+            "learn":{"response_header":"","upstream_addresses":{"10.0.0.5:8000":1}}}"#;
+        assert!(parse(addresses_only).is_ok());
+        // `target.engine_header` may wait in cluster mode for a switch to engine_header mode.
+        let waiting = parse(r#"{"dp_size":4,"target":{"engine_header":"X-Rank"}}"#).unwrap();
+        assert_eq!(waiting.target, TargetMode::Cluster);
+        // No body read at all is allowed, and warned about when prefix placement is on.
+        let no_body = parse(r#"{"dp_size":4,"body":{"content_types":[]}}"#).unwrap();
+        let warned = no_body.warnings();
+        assert!(
+            warned
+                .iter()
+                .any(|w| w.contains("body.content_types is empty")),
+            "{warned:?}"
+        );
+        let header_only = parse(
+            r#"{"dp_size":4,"body":{"content_types":[]},"prefix":{"enabled":false},
+                "routing_key":{"hash_seed":"s"}}"#,
+        )
+        .unwrap();
+        assert_eq!(header_only.warnings(), Vec::<String>::new());
     }
 
     #[test]
@@ -1963,6 +2199,63 @@ mod tests {
                 "assign.pinned_load_factor",
             ),
             (r#"not json"#, "configuration"),
+            // A member named twice is refused, at every depth (serde_json would keep the last).
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":"s"},"explicit_rank":{"on_invalid":"ignore"}}"#,
+                "configuration: member \"explicit_rank\" appears twice",
+            ),
+            (
+                r#"{"dp_size":8,"dp_size":4}"#,
+                "member \"dp_size\" appears twice",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"paths":[{"prefix":"/","prefix":"/v1"}]}}"#,
+                "member \"prefix\" appears twice",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"cooldown_seconds":4294967295}}"#,
+                "assign.cooldown_seconds: must be in 0..=3600",
+            ),
+            (
+                r#"{"dp_size":4,"assign":{"mode":"envoy"},"prefix":{"enabled":false},"learn":{"response_header":""}}"#,
+                "learn.response_header: assign.mode \"envoy\" learns",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":"s3cret\n"}}"#,
+                "explicit_rank.trusted_secret: must be visible ASCII",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":" s3cret"}}"#,
+                "explicit_rank.trusted_secret",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":"sécret"}}"#,
+                "explicit_rank.trusted_secret",
+            ),
+            (
+                r#"{"dp_size":4,"table":{"buckets":16777216,"ways":64}}"#,
+                "table.buckets: buckets x ways must be at most 16777216 entries",
+            ),
+            (
+                r#"{"dp_size":4,"prefix":{"table":{"buckets":1048576,"ways":17}}}"#,
+                "prefix.table.buckets: buckets x ways",
+            ),
+            (
+                r#"{"dp_size":4,"body":{"content_types":["application/*"]}}"#,
+                "body.content_types: \"application/*\" is not a media type",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"mode":"engine","engine":"sglang","engine_header":"x-rank"}}"#,
+                "target.engine_header: is used by target.mode \"engine_header\" only",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"engine_header":"bad header"}}"#,
+                "target.engine_header",
+            ),
+            (
+                r#"{"dp_size":4,"learn":{"upstream_addresses":{"10.0.0.5:8000":"1"}}}"#,
+                "learn.upstream_addresses[\"10.0.0.5:8000\"]",
+            ),
             (r#"{"dp_size":4,"assign":{"mode":"random"}}"#, "assign.mode"),
             (
                 r#"{"dp_size":4,"assign":{"load_factor":0.9}}"#,

@@ -267,3 +267,32 @@ fn shared_header_config_is_refused_and_empty_seed_warned() {
     assert!(seeded.success, "{}", seeded.output);
     assert!(!seeded.output.contains(SEED_WARNING), "{}", seeded.output);
 }
+
+/// A plugin configuration naming a member twice (an overlay merged into it, say) is refused by
+/// `envoy --mode validate`, naming the member: JSON parsers keep the last copy without a word,
+/// here a second `dp_size` that would have shrunk the ranks from 8 to 4 unnoticed.
+#[test]
+fn a_member_named_twice_is_refused() {
+    let dir = TestDir::new("member_twice");
+    let config = EnvoyConfig::new(
+        vec![1, 2, 3, 4],
+        Some(paths::wasm_path()),
+        plugin_config(json!({ "dp_size": 8 })),
+    );
+    let rendered = envoy::render_config(envoy::free_port(), envoy::free_port(), &config);
+    // The plugin JSON is embedded as a string in the bootstrap, its quotes escaped.
+    let once = r#"\"dp_size\":8"#;
+    assert_eq!(rendered.matches(once).count(), 1, "{rendered}");
+    let twice = rendered.replacen(once, r#"\"dp_size\":8,\"dp_size\":4"#, 1);
+    let path = dir.path().join("twice.yaml");
+    std::fs::write(&path, twice).expect("write the config");
+    let refused = envoy::validate_file(&path);
+    assert!(!refused.success, "validated:\n{}", refused.output);
+    let line = refused
+        .output
+        .lines()
+        .find(|l| l.contains("invalid plugin configuration"))
+        .unwrap_or_else(|| panic!("no configuration error logged:\n{}", refused.output));
+    assert!(line.contains(r#"member "dp_size" appears twice"#), "{line}");
+    eprintln!("refused: {line}");
+}
