@@ -842,8 +842,10 @@ impl Config {
         let mut out = Vec::new();
         if self.prefix.enabled && self.body.content_types.is_empty() {
             out.push(
-                "plugin configuration: body.content_types is empty, so no body is read: \
-                 prompt-prefix placement (prefix.enabled) and body fields never see a request."
+                "plugin configuration: body.content_types is empty, so a body is read only \
+                 where an engine target reads a rank from it (in cluster mode: never): \
+                 prompt-prefix placement (prefix.enabled) and body fields miss every other \
+                 request."
                     .to_string(),
             );
         }
@@ -925,15 +927,19 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     })
 }
 
-/// The trust secret, which a caller must be able to send as a header value: visible ASCII only.
-/// A header value arrives without surrounding white space and cannot hold control bytes, so a
-/// secret read from a file with its newline would make every caller untrusted, without a word.
+/// The trust secret, which a caller must be able to send as a header value: printable ASCII,
+/// spaces only inside. A header value arrives without surrounding white space and cannot hold
+/// control bytes, so a secret read from a file with its newline would make every caller
+/// untrusted, without a word; bytes beyond ASCII are sent differently by different clients.
 fn trusted_secret(secret: String) -> Result<Vec<u8>, ConfigError> {
-    if !secret.bytes().all(|c| c.is_ascii_graphic()) {
+    let sendable = secret.bytes().all(|c| c == b' ' || c.is_ascii_graphic())
+        && !secret.starts_with(' ')
+        && !secret.ends_with(' ');
+    if !sendable {
         return Err(err(
             "explicit_rank.trusted_secret",
-            "must be visible ASCII (no spaces, line breaks or other bytes a header value cannot \
-             carry): no caller could send it",
+            "must be printable ASCII with no space at either end (no line breaks or other bytes \
+             a header value cannot carry): no caller could send it",
         ));
     }
     Ok(secret.into_bytes())
@@ -1168,7 +1174,6 @@ fn compile_target(
     Ok((mode, header, names))
 }
 
-/// `target.mode: engine`: a preset (`target.engine`) or an explicit list (`target.paths`).
 /// Where `{rank}` first appears in `template`. (A byte search: `str::contains` of a `&str`
 /// would be the module's only use of the standard substring search, 2.6 KB of code.)
 fn rank_placeholder(template: &str) -> Option<usize> {
@@ -1188,6 +1193,7 @@ fn with_rank(template: &str, rank: u32) -> String {
     name
 }
 
+/// `target.mode: engine`: a preset (`target.engine`) or an explicit list (`target.paths`).
 fn compile_engine_paths(
     engine: &str,
     paths: Option<Vec<RawPathTarget>>,
@@ -2080,7 +2086,7 @@ mod tests {
     fn limits_and_off_switches_at_their_edges() {
         let c = parse(
             r#"{"dp_size":4,"assign":{"cooldown_seconds":3600},"table":{"buckets":262144,"ways":64},
-                "explicit_rank":{"trusted_header":"x-t","trusted_secret":"~!s3cret-:;"}}"#,
+                "explicit_rank":{"trusted_header":"x-t","trusted_secret":"correct horse ~!-:;"}}"#,
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.assign.cooldown_seconds, 3600);
@@ -2222,10 +2228,14 @@ mod tests {
             ),
             (
                 r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":"s3cret\n"}}"#,
-                "explicit_rank.trusted_secret: must be visible ASCII",
+                "explicit_rank.trusted_secret: must be printable ASCII",
             ),
             (
                 r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":" s3cret"}}"#,
+                "explicit_rank.trusted_secret",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"x-t","trusted_secret":"s3cret "}}"#,
                 "explicit_rank.trusted_secret",
             ),
             (

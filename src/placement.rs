@@ -271,7 +271,7 @@ fn unshared_tag(name: u64) -> Tag {
 ///
 /// - its own history (an unbranched match) is indexed on a rank other than the pin that does
 ///   not hold it too (a turn the pin moved to another rank records the matched position's new
-///   holder, so a conversation moved off a full rank is not sent back). Ranks from 14 on have
+///   holder, so a conversation moved off a full rank is not sent back). Ranks from 13 on have
 ///   no holder flag: there the pin decides;
 /// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
 ///   [`conversation_tags`]) differs from the one stored with the pin, taken past a shared prefix

@@ -1267,8 +1267,8 @@ mod tests {
         assert_eq!(writes(short, &m2, 2), 0);
         assert_eq!(writes(short, &m2, 0), 0);
         assert_eq!(writes(short, &m2, 3), 1, "a new holder: one mark");
-        // Ranks from 15 on have no holder flag: nothing to write for them either.
-        assert_eq!(writes(short, &m2, 15), 0);
+        // Ranks from 13 on have no holder flag: nothing to write for them either.
+        assert_eq!(writes(short, &m2, 13), 0);
     }
 
     #[test]
