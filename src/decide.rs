@@ -37,8 +37,14 @@ pub enum Decision {
     Rank(u32),
     /// Send to this rank by SGLang's bootstrap-room rule (`bootstrap_room` mode).
     Room(u32),
-    /// A routing key: look it up in the table (see [`resolve_key`]).
-    Key { hash: u64, too_long: bool },
+    /// A routing key: look it up in the table (see [`resolve_key`]). `unread_body`: the body
+    /// was wanted and could not be used (too large, malformed), counted as for a keyless
+    /// request while the key routes it.
+    Key {
+        hash: u64,
+        too_long: bool,
+        unread_body: Option<Reason>,
+    },
     /// Let Envoy balance; nothing to learn.
     Fallback(Reason),
     /// A `bootstrap_room` that names no one rank (a batch's list of rooms, a string): set no
@@ -100,10 +106,10 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
     let prefix = h.prefix_api(cfg).is_some();
     let body_rank = engine_reads_body_rank(cfg, h);
     if let Some((_, key)) = h.key.filter(|_| !room_mode && !prefix && !body_rank) {
-        return HeaderStep::Decided(key_decision(cfg, key));
+        return HeaderStep::Decided(key_decision(cfg, key, None));
     }
     let header_key = || match h.key {
-        Some((_, key)) => key_decision(cfg, key),
+        Some((_, key)) => key_decision(cfg, key, None),
         None => Decision::Fallback(Reason::NoKey),
     };
     let wants_body = prefix || !cfg.body.wanted_fields.is_empty();
@@ -113,10 +119,8 @@ pub fn decide_headers(cfg: &Config, h: &HeaderFacts<'_>, end_of_stream: bool) ->
     if h.declared_length()
         .is_some_and(|n| n > cfg.body.max_bytes as u64)
     {
-        return HeaderStep::Decided(match h.key {
-            Some(_) => header_key(),
-            None => Decision::Fallback(Reason::BodyTooLarge),
-        });
+        let key = h.key.map(|(_, key)| key);
+        return HeaderStep::Decided(without_body(cfg, Reason::BodyTooLarge, key));
     }
     HeaderStep::ReadBody
 }
@@ -192,24 +196,26 @@ pub fn decide_body_with_prefix(
         None => {}
     }
     let decision = match header_key.or(facts.key.as_deref()) {
-        Some(key) => key_decision(cfg, key),
+        Some(key) => key_decision(cfg, key, None),
         None => Decision::Fallback(Reason::NoKey),
     };
     (decision, chain)
 }
 
-/// The decision when the body cannot be used (`reason`): a header key if there was one.
+/// The decision when the body cannot be used (`reason`): a header key if there was one (still
+/// noting why the body was not read, unless there was none to read: [`Reason::NoKey`]).
 pub fn without_body(cfg: &Config, reason: Reason, header_key: Option<&[u8]>) -> Decision {
     match header_key {
-        Some(key) => key_decision(cfg, key),
+        Some(key) => key_decision(cfg, key, Some(reason).filter(|&r| r != Reason::NoKey)),
         None => Decision::Fallback(reason),
     }
 }
 
-fn key_decision(cfg: &Config, key: &[u8]) -> Decision {
+fn key_decision(cfg: &Config, key: &[u8], unread_body: Option<Reason>) -> Decision {
     Decision::Key {
         hash: cfg.key.hasher.hash(key),
         too_long: key.len() > cfg.key.max_bytes,
+        unread_body,
     }
 }
 
@@ -554,6 +560,20 @@ mod tests {
             decide_headers(&c, &big, false),
             HeaderStep::Decided(Decision::Fallback(Reason::BodyTooLarge))
         );
+        // A key header routes it, noting the body it could not read (room mode reads the
+        // body even with a key).
+        let room = cfg(r#","assign":{"mode":"bootstrap_room"}"#);
+        let big_keyed = headers(
+            &room,
+            &[JSON, ("content-length", "8388609"), ("x-routing-key", "k")],
+        );
+        assert!(matches!(
+            decide_headers(&room, &big_keyed, false),
+            HeaderStep::Decided(Decision::Key {
+                unread_body: Some(Reason::BodyTooLarge),
+                ..
+            })
+        ));
         let no_fields =
             cfg(r#","explicit_rank":{"body_fields":[]},"routing_key":{"body_fields":[]}"#);
         let json = headers(&no_fields, &[JSON]);
@@ -638,7 +658,8 @@ mod tests {
             header_key,
             Decision::Key {
                 hash: c.key.hasher.hash(b"abc"),
-                too_long: false
+                too_long: false,
+                unread_body: None
             },
             "body and header keys hash alike"
         );
@@ -652,6 +673,18 @@ mod tests {
             decide_body(&small, br#"{"routing_key":"abc"}"#, None, true),
             Decision::Fallback(Reason::BodyTooLarge)
         );
+        // With a key header the key routes a body that cannot be read, which is still noted
+        // (and counted like a keyless one's).
+        let keyed = |body: &[u8]| match decide_body(&small, body, Some(b"k"), true) {
+            Decision::Key { unread_body, .. } => unread_body,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            keyed(br#"{"routing_key":"abc"}"#),
+            Some(Reason::BodyTooLarge)
+        );
+        assert_eq!(keyed(br#"{"#), Some(Reason::BodyMalformed));
+        assert_eq!(keyed(br#"{}"#), None);
         let ignore = cfg(r#","explicit_rank":{"on_invalid":"ignore"}"#);
         assert!(matches!(
             decide_body(
@@ -699,7 +732,8 @@ mod tests {
             by_header,
             Decision::Key {
                 hash: c.key.hasher.hash(b"k"),
-                too_long: false
+                too_long: false,
+                unread_body: None
             },
             "no room: the header key still beats the body key"
         );

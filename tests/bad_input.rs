@@ -15,7 +15,7 @@ use support::envoy::{self, EnvoyConfig};
 use support::fnv::fnv1a64_hex;
 use support::http::{self, Request, Response};
 use support::paths;
-use support::requests::{keyed, plugin_config, RANK_HEADER};
+use support::requests::{default_config, keyed, plugin_config, RANK_HEADER};
 use support::stack::{mock_info, served_rank, Stack, StackOptions};
 use support::tempdir::TestDir;
 
@@ -164,6 +164,20 @@ fn over_body_max_bytes_the_rank_is_not_read() {
     counters.assert_eq("body_too_large", 1);
     counters.assert_eq("invalid_rank", 0);
     assert_still_routing(&s, name);
+
+    // With the defaults (prompt prefix on, so a keyed chat's body is read too) a routing-key
+    // header routes such a body, and the unread body is still counted.
+    let name = "over_body_max_bytes_keyed";
+    let keyed = Stack::start(
+        name,
+        StackOptions::new(default_config(json!({ "body": { "max_bytes": 1 << 20 } }))),
+    );
+    let response = keyed.send(&json_body(body).header("x-routing-key", "session-1"));
+    served_rank(&response);
+    let counters = keyed.settled();
+    counters.assert_eq("body_too_large", 1);
+    counters.assert_eq("affinity_miss", 1);
+    assert_still_routing(&keyed, name);
 }
 
 /// A 50 KB explicit-rank header (under Envoy's default 60 KiB of request headers, so the filter

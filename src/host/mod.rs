@@ -25,7 +25,7 @@ use crate::metrics::{self, Counter};
 use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
 use crate::prefix_index::{Anchor, CountingStore, Kept, Match, PrefixIndex};
 use crate::prompt::Api;
-use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankStates};
+use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankLoad, RankStates};
 use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
 use crate::target::{engine_parses_as_json, EngineTarget};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
@@ -363,10 +363,16 @@ impl RootContext for Root {
             _ => Rc::new(RefCell::new(LocalLoad::new(cfg.dp_size))),
         };
         let gauges = Gauges::define(cfg.dp_size);
-        gauges.set(
-            &board.read(&SharedData, &local.borrow(), self.clock.now()),
-            self.clock.now(),
-        );
+        // A mode that keeps no load view (`envoy`) never updates the gauges again: they read 0
+        // rather than whatever the board held when it was configured.
+        let shown = if cfg.assign.tracks_load() {
+            board.read(&SharedData, &local.borrow(), self.clock.now())
+        } else {
+            RankStates {
+                ranks: vec![RankLoad::default(); cfg.dp_size as usize],
+            }
+        };
+        gauges.set(&shown, self.clock.now());
         let counters = self
             .counters
             .get_or_insert_with(|| Rc::new(Counters::define()))
@@ -969,9 +975,16 @@ impl Filter {
                 rt.counters.add(Counter::Room, 1);
                 self.send_chosen(rank, from_body);
             }
-            Decision::Key { hash, too_long } => {
+            Decision::Key {
+                hash,
+                too_long,
+                unread_body,
+            } => {
                 if too_long {
                     rt.counters.add(Counter::KeyTooLong, 1);
+                }
+                if let Some(reason) = unread_body {
+                    rt.counters.add(fallback_counter(reason), 1);
                 }
                 let resolved = resolve_key(&rt.cfg, &rt.table, &SharedData, hash, rt.clock.now());
                 if resolved.undecodable {
