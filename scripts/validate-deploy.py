@@ -19,14 +19,20 @@ be checked here, with a real Envoy wherever Envoy config is involved:
       - a WasmPlugin / EnvoyExtensionPolicy becomes the Wasm filter its control plane generates
         (without allow_on_headers_stop_iteration, which neither can set);
       - Envoy Gateway: a representative listener named <ns>/<gateway>/<listener> with routes
-        from the HTTPRoutes and the ClientTrafficPolicy's buffer limit; the EnvoyPatchPolicy's
-        JSON patches (RFC 6902) are applied to it and the result validated;
+        from the HTTPRoutes (each route's idle_timeout as Envoy Gateway's translator sets it from
+        the request timeout and a BackendTrafficPolicy's streamIdleTimeout) and the
+        ClientTrafficPolicy's buffer limit; the EnvoyPatchPolicy's JSON patches (RFC 6902) are
+        applied to it and the result validated;
       - envoy/envoy.sglang-dp.yaml and envoy/envoy.vllm-dp.yaml as they are;
   * consistency: each embedded plugin configuration equals envoy/envoy.yaml's except for the
     variant's deliberate differences (header-only: no body fields, no prefix; engine: the target
     block; everywhere: no upstream_addresses); body-reading filters carry the flag and a buffer
     limit above body.max_bytes; header-only ones never read the body; one route per rank whose
-    header value is cluster_template(rank); all manifests name the same wasm image.
+    header value is cluster_template(rank); all manifests name the same wasm image. Fields an
+    operator is told to set (routing_key.hash_seed, assign.seed, the engine preset sglang or
+    vllm) may differ. Envoy Gateway: no route is left without a stream idle timeout (a silent
+    rank would hold its requests for ever), and every HTTPRoute's upstream connections close
+    idle before the engine's 5 s keep-alive.
 
 What this does not show: that a control plane accepts the manifests (no API server, no CRD
 schemas) or generates exactly the listener modelled here. Exit 0 = valid, 1 = not.
@@ -287,9 +293,16 @@ def reads_body(plugin):
     return bool(wants) or bool(plugin.get("prefix", {}).get("enabled", False))
 
 
+# Plugin fields a deployment is told to set for itself: the secret seeds (the files say to set
+# routing_key.hash_seed), and the engine preset (README: "vllm" for a vLLM engine).
+OPERATOR_FIELDS = {"dp_size", "routing_key.hash_seed", "assign.seed"}
+
+
 def check_plugin(where, plugin, reference, engine, header_only, preset=None):
-    diffs = [d for d in diff_paths(plugin, expected_plugin(reference, engine, header_only, preset))
-             if d != "dp_size"]
+    expected = expected_plugin(reference, engine, header_only, preset)
+    if preset and plugin.get("target", {}).get("engine") in ("sglang", "vllm"):
+        expected["target"]["engine"] = plugin["target"]["engine"]
+    diffs = [d for d in diff_paths(plugin, expected) if d not in OPERATOR_FIELDS]
     variant = ("engine" if engine else "rank clusters") + (", headers only" if header_only else "")
     if diffs:
         error(f"{where}: plugin configuration differs from envoy/envoy.yaml's ({variant} variant) "
@@ -720,7 +733,33 @@ def quantity(value):
     return int(m.group(1)) * UNITS[m.group(2)]
 
 
-def eg_routes(http_routes):
+def seconds(duration):
+    """Seconds of a Gateway API / protobuf duration string ("300s", "5m", "1h", "0s")."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for unit in ("ms", "s", "m", "h"):
+        if duration.endswith(unit) and duration[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(duration[: -len(unit)]) * units[unit]
+    raise Invalid(f"unreadable duration {duration!r}")
+
+
+def eg_stream_idle(hr, rule, traffic_policies):
+    """The route's idle_timeout as Envoy Gateway's translator sets it (internal/xds/translator/
+    route.go, idleTimeout): a BackendTrafficPolicy's timeout.http.streamIdleTimeout on the route;
+    else, with a request timeout, at least an hour, and 0 (no stream idle timeout at all) when
+    the request timeout is 0s; else the listener's (None)."""
+    for btp in traffic_policies:
+        if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
+               for t in btp["spec"].get("targetRefs", [])):
+            stream_idle = btp["spec"].get("timeout", {}).get("http", {}).get("streamIdleTimeout")
+            if stream_idle is not None:
+                return stream_idle
+    request = rule.get("timeouts", {}).get("request")
+    if request is None:
+        return None
+    return "0s" if seconds(request) == 0 else f"{max(3600, seconds(request)):g}s"
+
+
+def eg_routes(http_routes, traffic_policies):
     routes, clusters = [], []
     for hr in http_routes:
         ns, hname = hr["metadata"].get("namespace", "default"), hr["metadata"]["name"]
@@ -739,6 +778,9 @@ def eg_routes(http_routes):
                     match["headers"] = headers
                 route = {"name": f"{cname}/match/{j}", "match": match,
                          "route": {"cluster": cname, "timeout": rule.get("timeouts", {}).get("request", "15s")}}
+                stream_idle = eg_stream_idle(hr, rule, traffic_policies)
+                if stream_idle is not None:
+                    route["route"]["idle_timeout"] = stream_idle
                 if remove:
                     route["request_headers_to_remove"] = remove
                 routes.append(route)
@@ -823,7 +865,23 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
             if img:
                 mounts[m["mountPath"].rstrip("/") + "/plugin.wasm"] = img
                 images.append((f"EnvoyProxy {proxy[0]['metadata']['name']}", img))
-    routes, clusters = eg_routes(by_kind(docs, "HTTPRoute"))
+    traffic_policies = by_kind(docs, "BackendTrafficPolicy")
+    routes, clusters = eg_routes(by_kind(docs, "HTTPRoute"), traffic_policies)
+    # A rank that stops answering must be ended by something: with `timeouts.request: 0s` (LLM
+    # answers stream for as long as generation runs) Envoy Gateway turns the stream idle
+    # timeout off for the route unless a BackendTrafficPolicy sets it.
+    for route in routes:
+        if seconds(route["route"].get("idle_timeout", "300s")) == 0:
+            error(f"{name}: route {route['name']} has no stream idle timeout (request timeout 0s and "
+                  f"no BackendTrafficPolicy timeout.http.streamIdleTimeout): a silent rank hangs "
+                  f"its requests for ever")
+    for hr in by_kind(docs, "HTTPRoute"):
+        idle = [btp["spec"].get("timeout", {}).get("http", {}).get("connectionIdleTimeout")
+                for btp in traffic_policies
+                if any(t.get("name") == hr["metadata"]["name"] for t in btp["spec"].get("targetRefs", []))]
+        if not any(i is not None and seconds(i) < 5 for i in idle):
+            error(f"{name}: HTTPRoute {hr['metadata']['name']}: no BackendTrafficPolicy closes idle upstream "
+                  f"connections before the engine's 5 s keep-alive (timeout.http.connectionIdleTimeout)")
     listeners_by_name = {}
     for lis in gw["spec"]["listeners"]:
         lname = f"{ns}/{gname}/{lis['name']}"
