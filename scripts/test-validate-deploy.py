@@ -171,7 +171,7 @@ def main():
         return 1
     accepted = sum(1 for case in CASES if case[3] is None)
     print(f"test-validate-deploy: OK ({len(CASES) - accepted} broken copies refused, "
-          f"{accepted} operator edits accepted)")
+          f"{accepted} operator edit(s) accepted)")
     return 0
 
 
