@@ -260,7 +260,8 @@ def expected_plugin(reference, engine, header_only, preset=None):
     if engine and preset:
         p["target"] = {"mode": "engine", "engine": preset}
     elif engine:
-        p["target"] = {"mode": "engine_header", "engine_header": "x-data-parallel-rank"}
+        # Header-only: the preset that sets no body field (see the engine header-only files).
+        p["target"] = {"mode": "engine", "engine": "vllm"}
     if header_only:
         p["explicit_rank"]["body_fields"] = []
         p["routing_key"]["body_fields"] = []
