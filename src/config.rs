@@ -2049,6 +2049,11 @@ mod tests {
         assert_eq!(c.learn.upstream_addresses.len(), 3);
         // Written otherwise than Envoy writes `upstream.address` (a string lookup): never a
         // match, so refused.
+        let with_address = |addr: &str| {
+            parse(&format!(
+                r#"{{"dp_size":4,"learn":{{"upstream_addresses":{{"{addr}":1}}}}}}"#
+            ))
+        };
         for addr in [
             "10.0.0.5",
             "[FD00::5]:8000",
@@ -2062,9 +2067,7 @@ mod tests {
             "10.0.0.5:",
             "[fd00::5:8000",
         ] {
-            let json =
-                format!(r#"{{"dp_size":4,"learn":{{"upstream_addresses":{{"{addr}":1}}}}}}"#);
-            let e = parse(&json).expect_err(&json);
+            let e = with_address(addr).expect_err(addr);
             assert!(e.to_string().contains("would never match"), "{e}");
         }
         for addr in [
@@ -2073,9 +2076,7 @@ mod tests {
             "[::]:80",
             "[::ffff:10.0.0.5]:80",
         ] {
-            let json =
-                format!(r#"{{"dp_size":4,"learn":{{"upstream_addresses":{{"{addr}":1}}}}}}"#);
-            assert!(parse(&json).is_ok(), "{json}");
+            assert!(with_address(addr).is_ok(), "{addr}");
         }
         let e = parse(r#"{"dp_size":4,"assign":{"load_factor":3.0}}"#)
             .expect_err("a load factor over the pinned one is refused");
