@@ -28,11 +28,13 @@ be checked here, with a real Envoy wherever Envoy config is involved:
     variant's deliberate differences (header-only: no body fields, no prefix; engine: the target
     block; everywhere: no upstream_addresses); body-reading filters carry the flag and a buffer
     limit above body.max_bytes; header-only ones never read the body; one route per rank whose
-    header value is cluster_template(rank); all manifests name the same wasm image. Fields an
+    header value is cluster_template(rank), to the backend (DestinationRule subset, Service)
+    selecting that rank's StatefulSet pod; all manifests name the same wasm image. Fields an
     operator is told to set (routing_key.hash_seed, assign.seed, the engine preset sglang or
-    vllm) may differ. Envoy Gateway: no route is left without a stream idle timeout (a silent
-    rank would hold its requests for ever), and every HTTPRoute's upstream connections close
-    idle before the engine's 5 s keep-alive.
+    vllm) may differ. A silent rank is ended: Istio routes carry per_try_idle_timeout (merged
+    by an HTTP_ROUTE EnvoyFilter), no Envoy Gateway route is left without a stream idle
+    timeout. Upstream connections close idle before the engine's 5 s keep-alive (Istio's
+    connectionPool.http.idleTimeout, Envoy Gateway's connectionIdleTimeout).
 
 What this does not show: that a control plane accepts the manifests (no API server, no CRD
 schemas) or generates exactly the listener modelled here. Exit 0 = valid, 1 = not.
@@ -331,9 +333,25 @@ def check_body_filter(where, wasm_cfg, plugin, buffer_limit):
             ok(f"{where}: buffer limit {buffer_limit} > body.max_bytes {body_max}")
 
 
-def check_rank_routes(where, routes, plugin, header_of):
+# The label the StatefulSet controller puts on each pod (its name, ordinal last): the rank
+# backends select their one pod by it.
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
+
+
+def pod_ordinal(selector):
+    """The ordinal of the one StatefulSet pod `selector` names (engine-2 -> 2), None if it names
+    no single pod (the fallback's backend: every rank)."""
+    pod = (selector or {}).get(POD_NAME_LABEL)
+    if pod is None:
+        return None
+    ordinal = pod.rsplit("-", 1)[-1]
+    return int(ordinal) if ordinal.isdigit() else pod
+
+
+def check_rank_routes(where, routes, plugin, header_of, ordinal_of_cluster):
     """routes: Envoy routes. Rank variant: one route per rank matching cluster_header ==
-    cluster_template(rank), plus a fallback without it."""
+    cluster_template(rank), to the backend selecting that rank's pod (ordinal_of_cluster: the
+    pod ordinal each route cluster reaches, None for all), plus a fallback without it."""
     target = plugin.get("target", {})
     header = target.get("cluster_header", "x-dp-affinity-cluster")
     template = target.get("cluster_template", "dp-rank-{rank}")
@@ -348,12 +366,17 @@ def check_rank_routes(where, routes, plugin, header_of):
             got.add(value)
             if header not in [h.lower() for h in route.get("request_headers_to_remove", [])]:
                 error(f"{where}: the route for {value} does not remove {header} before the engine")
+            reached = ordinal_of_cluster.get(route["route"]["cluster"])
+            rank = next((r for r in range(dp_size) if template.replace("{rank}", str(r)) == value), None)
+            if rank is not None and reached != rank:
+                error(f"{where}: the route for {value} reaches pod ordinal {reached} "
+                      f"({POD_NAME_LABEL}), not rank {rank}'s")
     if got != want:
         error(f"{where}: rank routes match {header} = {sorted(got)}, dp_size {dp_size} needs {sorted(want)}")
     elif not fallback:
         error(f"{where}: no fallback route without {header} (Envoy's balancer over all ranks)")
     else:
-        ok(f"{where}: one route per rank ({dp_size}) on {header}, and a fallback")
+        ok(f"{where}: one route per rank ({dp_size}) on {header}, each to its rank's pod, and a fallback")
 
 
 # --- Envoy --------------------------------------------------------------------------------------
@@ -656,6 +679,9 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
             error(f"{name}: {ef['kind']} {ef['metadata']['name']} selects {labels}, the Gateway runs on {selector}")
     routes, refs = istio_routes(by_kind(docs, "VirtualService"))
     clusters = istio_clusters(by_kind(docs, "DestinationRule"), [(n, p, h, s) for n, p, h, s in refs])
+    subset_labels = {(dr["spec"]["host"], sub["name"]): sub.get("labels", {})
+                     for dr in by_kind(docs, "DestinationRule") for sub in dr["spec"].get("subsets", [])}
+    ordinal_of_cluster = {n: pod_ordinal(subset_labels.get((h, sub))) for n, _, h, sub in refs}
     base = listener("0.0.0.0_8080", 8080, hcm("outbound_0.0.0.0_8080", "http.8080", routes,
                                                copy.deepcopy(ISTIO_FILTERS)))
     # Patches every variant shares (routing.yaml): applied before the filter's own.
@@ -667,6 +693,26 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
                 apply_istio_patch(f"EnvoyFilter {ef['metadata']['name']}", p, base, {})
     if not body_filters or not by_kind(docs, "WasmPlugin"):
         error(f"{name}: needs both setups: an EnvoyFilter with EXTENSION_CONFIG and a WasmPlugin")
+    # A rank that stops answering is ended by the per-try idle timeout (a 504 naming the rank),
+    # which no VirtualService field sets: routing.yaml's HTTP_ROUTE EnvoyFilter merges it in.
+    for route in hcm_of_listener(base)["route_config"]["virtual_hosts"][0]["routes"]:
+        if not (route["route"].get("retry_policy") or {}).get("per_try_idle_timeout"):
+            error(f"{name}: route {route.get('name') or route['route']['cluster']} has no per_try_idle_timeout "
+                  f"(an HTTP_ROUTE EnvoyFilter merges it in): a silent rank would hold its requests until "
+                  f"the stream idle timeout, a 504 that names no rank")
+    # Upstream connections must close idle before the engine's server does (uvicorn: 5 s). A
+    # subset's connectionPool replaces the DestinationRule's.
+    policies = {}
+    for dr in by_kind(docs, "DestinationRule"):
+        top = dr["spec"].get("trafficPolicy", {}).get("connectionPool")
+        policies[(dr["spec"]["host"], "")] = top
+        for sub in dr["spec"].get("subsets", []):
+            policies[(dr["spec"]["host"], sub["name"])] = sub.get("trafficPolicy", {}).get("connectionPool", top)
+    for cluster, _, host, sub in sorted(set(refs)):
+        idle = ((policies.get((host, sub)) or {}).get("http") or {}).get("idleTimeout")
+        if idle is None or seconds(idle) >= 5:
+            error(f"{name}: {cluster}: connectionPool.http.idleTimeout is {idle}: upstream connections must "
+                  f"close idle before the engine's 5 s keep-alive")
     plugins = []
     listeners = []
     for ef in body_filters:
@@ -699,12 +745,12 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
         h = hcm_of_listener(lst)
         h["http_filters"] = insert_before_router(h["http_filters"], flt)
         listeners.append(lst)
-    check_routes(name, routes, plugins, engine, istio_route_header)
+    check_routes(name, routes, plugins, engine, istio_route_header, ordinal_of_cluster)
     run_envoy(envoy, ads_bootstrap(listeners, clusters), f"{name}: generated gateway with every patch and filter",
               errors_before)
 
 
-def check_routes(name, routes, plugins, engine, header_of):
+def check_routes(name, routes, plugins, engine, header_of, ordinal_of_cluster):
     if not plugins:
         return
     if engine:
@@ -717,7 +763,7 @@ def check_routes(name, routes, plugins, engine, header_of):
     for plugin in plugins[1:]:
         if plugin.get("dp_size") != plugins[0].get("dp_size"):
             error(f"{name}: the plugin configurations disagree on dp_size")
-    check_rank_routes(name, routes, plugins[0], header_of)
+    check_rank_routes(name, routes, plugins[0], header_of, ordinal_of_cluster)
 
 
 # --- Envoy Gateway ------------------------------------------------------------------------------
@@ -868,6 +914,13 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                 images.append((f"EnvoyProxy {proxy[0]['metadata']['name']}", img))
     traffic_policies = by_kind(docs, "BackendTrafficPolicy")
     routes, clusters = eg_routes(by_kind(docs, "HTTPRoute"), traffic_policies)
+    selectors = {svc["metadata"]["name"]: svc["spec"].get("selector") for svc in by_kind(docs, "Service")}
+    ordinal_of_cluster = {}
+    for hr in by_kind(docs, "HTTPRoute"):
+        hns, hname = hr["metadata"].get("namespace", "default"), hr["metadata"]["name"]
+        for i, rule in enumerate(hr["spec"].get("rules", [])):
+            service = rule["backendRefs"][0]["name"]
+            ordinal_of_cluster[f"httproute/{hns}/{hname}/rule/{i}"] = pod_ordinal(selectors.get(service))
     # A rank that stops answering must be ended by something: with `timeouts.request: 0s` (LLM
     # answers stream for as long as generation runs) Envoy Gateway turns the stream idle
     # timeout off for the route unless a BackendTrafficPolicy sets it.
@@ -945,7 +998,7 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                     insert_before_router([ROUTER], flt)
                 lst["address"]["socket_address"]["port_value"] += 1 + i
                 out.append(lst)
-    check_routes(name, routes, plugins, engine, istio_route_header)
+    check_routes(name, routes, plugins, engine, istio_route_header, ordinal_of_cluster)
     run_envoy(envoy, {"static_resources": {"listeners": out, "clusters": clusters}},
               f"{name}: generated gateway with every patch and filter", errors_before)
 
