@@ -789,30 +789,42 @@ def seconds(duration):
     raise Invalid(f"unreadable duration {duration!r}")
 
 
+def eg_http_timeout(hr, traffic_policies, field):
+    """timeout.http.<field> of the first BackendTrafficPolicy on HTTPRoute `hr` that sets it."""
+    for btp in traffic_policies:
+        if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
+               for t in btp["spec"].get("targetRefs", [])):
+            value = btp["spec"].get("timeout", {}).get("http", {}).get(field)
+            if value is not None:
+                return value
+    return None
+
+
 def eg_stream_idle(hr, rule, traffic_policies):
     """The route's idle_timeout as Envoy Gateway's translator sets it (internal/xds/translator/
     route.go, idleTimeout): a BackendTrafficPolicy's timeout.http.streamIdleTimeout on the route;
     else, with a request timeout, at least an hour, and 0 (no stream idle timeout at all) when
     the request timeout is 0s; else the listener's (None)."""
-    for btp in traffic_policies:
-        if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
-               for t in btp["spec"].get("targetRefs", [])):
-            stream_idle = btp["spec"].get("timeout", {}).get("http", {}).get("streamIdleTimeout")
-            if stream_idle is not None:
-                return stream_idle
+    stream_idle = eg_http_timeout(hr, traffic_policies, "streamIdleTimeout")
+    if stream_idle is not None:
+        return stream_idle
     request = rule.get("timeouts", {}).get("request")
     if request is None:
         return None
     return "0s" if seconds(request) == 0 else f"{max(3600, seconds(request)):g}s"
 
 
-def eg_routes(http_routes, traffic_policies):
-    routes, clusters = [], []
+def eg_routes(http_routes, traffic_policies, selectors):
+    """Envoy routes and placeholder clusters as Envoy Gateway generates them from the HTTPRoutes,
+    and the pod ordinal each cluster reaches (see pod_ordinal; selectors: Service -> selector)."""
+    routes, clusters, ordinal_of_cluster = [], [], {}
     for hr in http_routes:
         ns, hname = hr["metadata"].get("namespace", "default"), hr["metadata"]["name"]
         for i, rule in enumerate(hr["spec"].get("rules", [])):
             cname = f"httproute/{ns}/{hname}/rule/{i}"
-            clusters.append(placeholder_cluster(cname, rule["backendRefs"][0].get("port", 80), "LEAST_REQUEST"))
+            backend = rule["backendRefs"][0]
+            clusters.append(placeholder_cluster(cname, backend.get("port", 80), "LEAST_REQUEST"))
+            ordinal_of_cluster[cname] = pod_ordinal(selectors.get(backend["name"]))
             remove = []
             for f in rule.get("filters", []):
                 if f.get("type") == "RequestHeaderModifier":
@@ -833,7 +845,7 @@ def eg_routes(http_routes, traffic_policies):
                 routes.append(route)
     # Gateway API precedence: more header matches first.
     routes.sort(key=lambda r: -len(r["match"].get("headers", [])))
-    return routes, clusters
+    return routes, clusters, ordinal_of_cluster
 
 
 def json_pointer(doc, pointer):
@@ -913,14 +925,8 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                 mounts[m["mountPath"].rstrip("/") + "/plugin.wasm"] = img
                 images.append((f"EnvoyProxy {proxy[0]['metadata']['name']}", img))
     traffic_policies = by_kind(docs, "BackendTrafficPolicy")
-    routes, clusters = eg_routes(by_kind(docs, "HTTPRoute"), traffic_policies)
     selectors = {svc["metadata"]["name"]: svc["spec"].get("selector") for svc in by_kind(docs, "Service")}
-    ordinal_of_cluster = {}
-    for hr in by_kind(docs, "HTTPRoute"):
-        hns, hname = hr["metadata"].get("namespace", "default"), hr["metadata"]["name"]
-        for i, rule in enumerate(hr["spec"].get("rules", [])):
-            service = rule["backendRefs"][0]["name"]
-            ordinal_of_cluster[f"httproute/{hns}/{hname}/rule/{i}"] = pod_ordinal(selectors.get(service))
+    routes, clusters, ordinal_of_cluster = eg_routes(by_kind(docs, "HTTPRoute"), traffic_policies, selectors)
     # A rank that stops answering must be ended by something: with `timeouts.request: 0s` (LLM
     # answers stream for as long as generation runs) Envoy Gateway turns the stream idle
     # timeout off for the route unless a BackendTrafficPolicy sets it.
@@ -930,10 +936,8 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                   f"no BackendTrafficPolicy timeout.http.streamIdleTimeout): a silent rank hangs "
                   f"its requests for ever")
     for hr in by_kind(docs, "HTTPRoute"):
-        idle = [btp["spec"].get("timeout", {}).get("http", {}).get("connectionIdleTimeout")
-                for btp in traffic_policies
-                if any(t.get("name") == hr["metadata"]["name"] for t in btp["spec"].get("targetRefs", []))]
-        if not any(i is not None and seconds(i) < 5 for i in idle):
+        idle = eg_http_timeout(hr, traffic_policies, "connectionIdleTimeout")
+        if idle is None or seconds(idle) >= 5:
             error(f"{name}: HTTPRoute {hr['metadata']['name']}: no BackendTrafficPolicy closes idle upstream "
                   f"connections before the engine's 5 s keep-alive (timeout.http.connectionIdleTimeout)")
     listeners_by_name = {}
