@@ -18,6 +18,24 @@
 /// The wall clock is the same for every configuration in the process, so one key serves all.
 pub const FLOOR_KEY: &str = "dp_affinity.clock_floor";
 
+/// A floor further than this ahead of a VM's own time is not one a step back left (a year of
+/// steps back in one process's life): it is ignored, and replaced by the VM's time. Taken as it
+/// comes, a stray value would move every VM's time that far at once; near `u32::MAX` it would
+/// stop it for good (the sum saturates), and with it every expiry the filter relies on: dead
+/// workers' load, cool-downs, pins.
+pub const MAX_FLOOR_AHEAD_SECONDS: u32 = 366 * 24 * 3600;
+
+/// A stamp in shared data (a pin's or a prefix entry's last use, a load column's) further than
+/// this ahead of the filter's time was not written by this clock (workers' ticks differ by a
+/// second or two at most): it reads as expired, so a stray value cannot outlive everything
+/// else in its bucket or keep a column counted.
+pub const STAMP_AHEAD_SECONDS: u32 = 60;
+
+/// Whether `stamp` may have been written by the filter's clock, at `now` or before it.
+pub fn plausible_stamp(stamp: u32, now: u32) -> bool {
+    stamp <= now.saturating_add(STAMP_AHEAD_SECONDS)
+}
+
 /// One VM's clock: its offset over the wall clock and its latest reading. The floor passed to
 /// [`SteadyClock::read`] must be read before the wall clock: then it comes from readings made
 /// before this one and can only exceed it after a step back.
@@ -29,10 +47,16 @@ pub struct SteadyClock {
 
 impl SteadyClock {
     /// Reads the wall clock (`wall`, unix seconds) against `floor` (the published floor, 0 when
-    /// none): the filter's time, never before the floor nor this VM's previous reading.
+    /// none): the filter's time, never before the floor nor this VM's previous reading. A floor
+    /// more than [`MAX_FLOOR_AHEAD_SECONDS`] ahead of this VM's time is ignored: the caller
+    /// publishes the reading whenever it differs from the floor it passed.
     pub fn read(&mut self, wall: u32, floor: u32) -> u32 {
-        let floor = floor.max(self.now);
         let time = wall.saturating_add(self.offset);
+        let floor = if floor > time.saturating_add(MAX_FLOOR_AHEAD_SECONDS) {
+            self.now
+        } else {
+            floor.max(self.now)
+        };
         if time < floor {
             // The wall clock went back (here or, seen through the floor, in another VM).
             self.offset = self.offset.saturating_add(floor - time);
@@ -120,6 +144,38 @@ mod tests {
             assert!(c.now() <= 1_200, "{c:?}");
         }
         assert!(floor <= 1_200);
+    }
+
+    /// A floor no step back can explain (a stray or foreign value) leaves the time alone: taken,
+    /// one near `u32::MAX` stopped it for good. A real step back is still absorbed.
+    #[test]
+    fn a_floor_far_ahead_is_ignored() {
+        let wall = 1_760_000_000u32;
+        for stray in [u32::MAX - 15, wall + MAX_FLOOR_AHEAD_SECONDS + 101] {
+            let mut c = SteadyClock::default();
+            assert_eq!(c.read(wall, stray), wall);
+            assert_eq!(c.read(wall + 100, stray), wall + 100, "time goes on");
+        }
+        let mut c = SteadyClock::default();
+        assert_eq!(
+            c.read(wall, wall + MAX_FLOOR_AHEAD_SECONDS),
+            wall + MAX_FLOOR_AHEAD_SECONDS
+        );
+        let mut d = SteadyClock::default();
+        d.read(wall + 50, 0);
+        assert_eq!(
+            d.read(wall, u32::MAX),
+            wall + 50,
+            "never back, whatever the floor"
+        );
+    }
+
+    #[test]
+    fn stamps_ahead_of_the_clock() {
+        assert!(plausible_stamp(100, 100));
+        assert!(plausible_stamp(100 + STAMP_AHEAD_SECONDS, 100));
+        assert!(!plausible_stamp(101 + STAMP_AHEAD_SECONDS, 100));
+        assert!(plausible_stamp(u32::MAX, u32::MAX - 1));
     }
 
     #[test]

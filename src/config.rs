@@ -14,7 +14,7 @@ use crate::chain::PrefixHasher;
 use crate::config_sections::{ConfigError, PrefixConfig, TableConfig};
 use crate::hash::KeyedHasher;
 use crate::json_scan::{ScanError, Scanner};
-use crate::ranks::StrikeRule;
+use crate::ranks::{StrikeRule, MAX_COOLDOWN_SECONDS};
 use crate::table::MAX_WAYS;
 use crate::target::{Engine, EngineTarget, PathTarget};
 
@@ -1044,7 +1044,7 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
     }
     // A cool-down only ever lengthens (`RankStates::mark_down`) and outlives a reload: an hour
     // at most, so a typo cannot take a rank out until Envoy restarts.
-    if raw.cooldown_seconds > 3600 {
+    if raw.cooldown_seconds > MAX_COOLDOWN_SECONDS {
         return Err(err("assign.cooldown_seconds", "must be in 0..=3600"));
     }
     Ok(AssignConfig {

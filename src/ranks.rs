@@ -32,12 +32,26 @@
 //! decode (garbage, another `dp_size`) reads as an idle board and is
 //! replaced on the next write: corruption costs a few seconds of load view, never a panic.
 
+use crate::clock::plausible_stamp;
 use crate::table::{Store, StoreError};
 
 /// A column stamped more than this many seconds ago is a dead VM's: ignored and removed.
 /// Ticks re-stamp live columns every second; the margin covers a busy worker's late tick and
 /// the one-second resolution of the clock.
 pub const LEASE_SECONDS: u32 = 5;
+
+/// The longest cool-down a configuration may set (`assign.cooldown_seconds`).
+pub const MAX_COOLDOWN_SECONDS: u32 = 3600;
+
+/// A rank's cool-down end as the board holds it, or 0 when no configuration could have set it
+/// (further ahead than the longest cool-down): a stray value must not keep a rank out for good.
+fn cooling_until(down_until: u32, now: u32) -> u32 {
+    if plausible_stamp(down_until, now.saturating_add(MAX_COOLDOWN_SECONDS)) {
+        down_until
+    } else {
+        0
+    }
+}
 
 /// At most this many columns (VMs with requests in flight on one Envoy); beyond, the stalest
 /// goes. Envoy runs one VM per worker, so this bounds the value to a few KiB whatever happens.
@@ -271,7 +285,7 @@ impl<'a> BoardBytes<'a> {
         out.clear();
         out.extend(self.health().chunks_exact(RANK_RECORD).map(|h| RankLoad {
             inflight: 0,
-            down_until: u32_at(h, 0).unwrap_or(0),
+            down_until: cooling_until(u32_at(h, 0).unwrap_or(0), now),
             recent: 0,
         }));
         let dp_size = self.dp_size;
@@ -370,9 +384,11 @@ fn column_stamp(column: &[u8]) -> u32 {
     u32_at(column, 4).unwrap_or(0)
 }
 
-/// A column stamped more than [`LEASE_SECONDS`] ago is a dead VM's ([`Board::live`]).
+/// A column stamped more than [`LEASE_SECONDS`] ago is a dead VM's ([`Board::live`]); one
+/// stamped ahead of the clock is no VM's.
 fn column_live(column: &[u8], now: u32) -> bool {
-    column_stamp(column).saturating_add(LEASE_SECONDS) >= now
+    let stamp = column_stamp(column);
+    stamp.saturating_add(LEASE_SECONDS) >= now && plausible_stamp(stamp, now)
 }
 
 /// A column's in-flight counts and recent work, per rank.
@@ -477,7 +493,7 @@ impl Board {
 
     #[cfg(test)]
     fn live(column: &Column, now: u32) -> bool {
-        column.stamp.saturating_add(LEASE_SECONDS) >= now
+        column.stamp.saturating_add(LEASE_SECONDS) >= now && plausible_stamp(column.stamp, now)
     }
 
     /// The assigners' view: live columns other than `own`, plus `local` (its counts and recent
@@ -489,7 +505,7 @@ impl Board {
             .iter()
             .map(|h| RankLoad {
                 inflight: 0,
-                down_until: h.down_until,
+                down_until: cooling_until(h.down_until, now),
                 recent: 0,
             })
             .collect();
@@ -588,9 +604,13 @@ impl RankBoard {
     }
 
     fn decode(&self, value: Option<&[u8]>, now: u32) -> Board {
-        value
+        let mut board = value
             .and_then(|b| Board::decode(b, self.dp_size))
-            .unwrap_or_else(|| Board::empty(self.dp_size, now))
+            .unwrap_or_else(|| Board::empty(self.dp_size, now));
+        for h in &mut board.health {
+            h.down_until = cooling_until(h.down_until, now);
+        }
+        board
     }
 
     /// The assigners' view (one store read): every live column, with this VM's own counts from
@@ -854,7 +874,7 @@ impl RankBoard {
                 h.strike_since = now;
                 h.strikes = 0;
             }
-            h.strikes += 1;
+            h.strikes = h.strikes.saturating_add(1);
             if h.strikes >= rule.threshold && rule.cooldown_seconds > 0 {
                 h.down_until = now.saturating_add(rule.cooldown_seconds);
                 h.strikes = 0;
@@ -1116,6 +1136,37 @@ mod tests {
         // A board of another dp_size under the same key is garbage too.
         s.raw_set("t/load2/4", Board::empty(3, 1).encode());
         assert_eq!(seen(&s, &b, 100), [0, 0, 0, 0]);
+    }
+
+    /// Stamps ahead of the clock were not written by it: a column stamped in the future is
+    /// no VM's (it would be counted until the clock caught up), a cool-down longer than any
+    /// configuration sets is none (it would keep the rank out, and take no strike, for good).
+    #[test]
+    fn stamps_ahead_of_the_clock_are_no_ones() {
+        let (s, b) = board(2, 3);
+        let mut stray = Board::empty(2, 100);
+        stray.health[0].down_until = u32::MAX;
+        stray.health[1].down_until = 100 + MAX_COOLDOWN_SECONDS;
+        stray.columns.push(Column {
+            id: 7,
+            stamp: u32::MAX,
+            inflight: vec![50, 50],
+            recent: vec![0, 0],
+        });
+        s.raw_set("t/load2/2", stray.encode());
+        let nobody = LocalLoad::new(2);
+        let view = b.read(&s, &nobody, 100);
+        assert_eq!(seen(&s, &b, 100), [0, 0]);
+        assert!(view.usable(0, 100), "a stray cool-down is none");
+        assert!(!view.usable(1, 100), "the longest one configurable holds");
+        // Strikes count again on the rank, and its cool-down starts.
+        for _ in 0..RULE.threshold {
+            b.strike(&s, 0, 100, RULE);
+        }
+        assert!(!b.read(&s, &nobody, 100).usable(0, 100));
+        assert!(b
+            .read(&s, &nobody, 100 + RULE.cooldown_seconds)
+            .usable(0, 100 + RULE.cooldown_seconds));
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! A bucket whose bytes do not decode (wrong length, garbage) reads as empty and is rewritten on the
 //! next pin: corruption can cost pins, never a panic or a wrong rank out of range.
 
+use crate::clock::plausible_stamp;
 use crate::config_sections::TableConfig;
 
 /// Result of a read from the store: value and its compare-and-swap token.
@@ -258,8 +259,10 @@ impl AffinityTable {
         created
     }
 
+    /// Used within the TTL, and not stamped ahead of the clock (a stray stamp would be neither
+    /// expired nor ever the least recently used).
     fn is_live(&self, e: &Entry, now: u32) -> bool {
-        now.saturating_sub(e.last_used) < self.cfg.ttl_seconds
+        now.saturating_sub(e.last_used) < self.cfg.ttl_seconds && plausible_stamp(e.last_used, now)
     }
 
     /// Looks `hash` up; a hit whose recency is older than `refresh_seconds` is refreshed
@@ -704,6 +707,33 @@ pub mod tests {
         t.pin(&s, 42, 1, 6);
         let kept = s.get(&key).0.map_or(0, |b| b.len() / ENTRY);
         assert_eq!(kept, t.cfg.ways as usize);
+    }
+
+    /// Entries stamped ahead of the clock (a stray value) neither expired nor were ever the
+    /// least recently used: three of them left a four-way bucket one pin.
+    #[test]
+    fn entries_stamped_ahead_of_the_clock_are_expired() {
+        let (s, t) = (MemStore::default(), table(1, 4));
+        let mut stray = Vec::new();
+        for hash in 1000..1003u64 {
+            Entry {
+                hash,
+                last_used: u32::MAX,
+                rank: 0,
+                tag: 0,
+                flags: 0,
+            }
+            .encode_into(&mut stray);
+        }
+        s.raw_set(&t.bucket_key(0), stray);
+        assert_eq!(t.lookup(&s, 1000, 10, 4), Lookup::Miss);
+        t.pin(&s, 1, 1, 10);
+        t.pin(&s, 2, 2, 11);
+        assert_eq!(t.lookup(&s, 1, 20, 4), Lookup::Hit { rank: 1 });
+        assert_eq!(t.lookup(&s, 2, 20, 4), Lookup::Hit { rank: 2 });
+        // A stamp a worker's tick ahead is the clock's own.
+        t.pin(&s, 3, 3, 30);
+        assert_eq!(t.lookup(&s, 3, 29, 4), Lookup::Hit { rank: 3 });
     }
 
     #[test]

@@ -238,7 +238,8 @@ impl Clock {
         let mut clock = self.0.get();
         let now = clock.read(wall, floor);
         self.0.set(clock);
-        if now > floor {
+        // Below the floor only when the floor was ignored (see `SteadyClock::read`): replaced.
+        if now != floor {
             // Lost to another VM's write: it published this second or a later one.
             let _ = SharedData.set(FLOOR_KEY, &now.to_le_bytes(), cas);
         }
