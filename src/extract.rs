@@ -225,7 +225,8 @@ pub fn rank_from_json(cfg: &Config, field: &str, v: &Value<'_>) -> Result<Option
     };
     match v {
         Value::Null => Ok(None),
-        Value::Number(raw) => match parse_u64(raw) {
+        // `-0` is JSON's other spelling of 0 (Python reads the int 0, and the engine serves it).
+        Value::Number(raw) => match parse_u64(if *raw == b"-0" { b"0" } else { raw }) {
             Some(n) if n < u64::from(cfg.dp_size) => Ok(Some(n as u32)),
             _ => Err(bad(format!("got {}", excerpt(raw, false)))),
         },
@@ -669,6 +670,7 @@ mod tests {
         }
         let agree = body(&c, r#"{"routed_dp_rank":1,"data_parallel_rank":1}"#);
         assert_eq!(agree.rank, Some(Ok(1)));
+        assert_eq!(body(&c, r#"{"routed_dp_rank":-0}"#).rank, Some(Ok(0)));
     }
 
     /// A duplicated member: the engine's Python `dict` keeps the last occurrence, so the filter

@@ -162,6 +162,7 @@ pub fn scan_prompt<'a>(
     let mut tools: Option<(usize, usize)> = None;
     let mut split = SplitPrompt::default();
     let mut generate = GeneratePrompt::default();
+    let mut single = SinglePrompt::default();
     if !empty {
         loop {
             let name = member_name(&mut s)?;
@@ -176,7 +177,8 @@ pub fn scan_prompt<'a>(
             } else if name.as_ref() == b"tools" && api.reads_tools() {
                 tools = tool_definitions(&mut s)?;
             } else if api.is_prompt_field(&name) {
-                walk_prompt_member(api, &name, &mut s, &mut chain, &mut split, &mut generate)?;
+                let walkers = (&mut split, &mut generate, &mut single);
+                walk_prompt_member(api, &name, &mut s, &mut chain, walkers)?;
             }
             match wanted.iter().position(|w| w.as_bytes() == &*name) {
                 Some(idx) if s.i == start => found(idx, s.value()?),
@@ -200,7 +202,7 @@ pub fn scan_prompt<'a>(
     match api {
         Api::Responses | Api::Messages => split.finish(api, body, &mut chain)?,
         Api::Generate => generate.finish(body, &mut chain)?,
-        Api::Chat | Api::Completions => {}
+        Api::Chat | Api::Completions => single.finish(api, body, &mut chain)?,
     }
     let model = model.map(|span| bytes(body, span));
     let tools = tools.map(|span| bytes(body, span));
@@ -226,14 +228,53 @@ fn walk_prompt_member(
     name: &[u8],
     s: &mut Scanner<'_>,
     chain: &mut ChainBuilder<'_>,
-    split: &mut SplitPrompt,
-    generate: &mut GeneratePrompt,
+    (split, generate, single): (&mut SplitPrompt, &mut GeneratePrompt, &mut SinglePrompt),
 ) -> Result<(), ScanError> {
     match api {
-        Api::Chat => walk_messages(s, chain.restart()),
-        Api::Completions => walk_text_or_ids(s, chain.restart()),
+        Api::Chat | Api::Completions => single.member(api, s, chain),
         Api::Generate => generate.member(name, s, chain),
         Api::Responses | Api::Messages => split.member(api, name, s, chain),
+    }
+}
+
+/// Chat's `messages`, Completions' `prompt`: one member, walked where it stands. A body that
+/// names it again (the last one counts, as in Python) has that last one walked at the end
+/// instead of each in turn: walking every copy cost up to `max_blocks` blocks of hashing per
+/// copy, however short (an image part stands for 2 KiB of stream in 17 bytes of body).
+#[derive(Default)]
+struct SinglePrompt {
+    walked: bool,
+    /// Where the last copy after the first starts.
+    last_at: Option<usize>,
+}
+
+impl SinglePrompt {
+    fn member(
+        &mut self,
+        api: Api,
+        s: &mut Scanner<'_>,
+        c: &mut ChainBuilder<'_>,
+    ) -> Result<(), ScanError> {
+        if std::mem::replace(&mut self.walked, true) {
+            self.last_at = Some(s.i);
+            return s.skip_value();
+        }
+        walk_single(api, s, c.restart())
+    }
+
+    fn finish(&self, api: Api, body: &[u8], c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+        match self.last_at {
+            Some(at) => walk_single(api, &mut Scanner { b: body, i: at }, c.restart()),
+            None => Ok(()),
+        }
+    }
+}
+
+fn walk_single(api: Api, s: &mut Scanner<'_>, c: &mut ChainBuilder<'_>) -> Result<(), ScanError> {
+    if api == Api::Chat {
+        walk_messages(s, c)
+    } else {
+        walk_text_or_ids(s, c)
     }
 }
 
@@ -1558,6 +1599,33 @@ mod tests {
         let once = format!(r#"{{"system":"{instructions}",{list}}}"#);
         assert_eq!(got, chain(&once, Api::Messages, &c));
         assert!(fed <= 2 * (instructions.len() + 64), "fed {fed} bytes");
+    }
+
+    /// A body naming `messages` (or `prompt`) again and again is hashed for the last copy alone
+    /// (and the first, walked where it stands), not for each: 200 copies of 128 image parts fed
+    /// 52 MB to the hash for a 443 KB body.
+    #[test]
+    fn duplicate_chat_messages_cost_two_walks() {
+        let c = cfg(512, 16, 512);
+        let parts = vec![r#"{"type":"image"}"#; 128].join(",");
+        let member = format!(r#""messages":[{{"role":"user","content":[{parts}]}}]"#);
+        let body = format!("{{{}}}", vec![member.as_str(); 200].join(","));
+        crate::chain::tests::FED.with(|f| f.set(0));
+        let got = chain(&body, Api::Chat, &c);
+        let fed = crate::chain::tests::FED.with(|f| f.get());
+        assert_eq!(got, chain(&format!("{{{member}}}"), Api::Chat, &c));
+        assert!(fed <= 2 * 512 * 512 + 1024, "fed {fed} bytes");
+        // The last copy counts, whatever the first held; the same for a completion's prompt.
+        let two = r#"{"messages":[{"role":"user","content":"first copy, long enough"}],"model":"m","messages":[{"role":"user","content":"the last copy"}]}"#;
+        let last = r#"{"model":"m","messages":[{"role":"user","content":"the last copy"}]}"#;
+        assert_eq!(chain(two, Api::Chat, &c), chain(last, Api::Chat, &c));
+        let two = r#"{"prompt":"first copy of the prompt","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+        let last = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+        assert_eq!(
+            chain(two, Api::Completions, &c),
+            chain(last, Api::Completions, &c)
+        );
+        assert!(!chain(last, Api::Completions, &c).is_empty());
     }
 
     /// A list too fragmented to record (its walk is given up and done again after the lead)
