@@ -14,6 +14,10 @@ use crate::body_rewrite::RankEdit;
 
 /// The rank header SGLang and vLLM read (names are case-insensitive).
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
+/// SGLang's header that sets a request's rank over everything else, on every path, when the
+/// server runs with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES`: the filter never sets it, and
+/// removes a client's copies like the rank header's.
+pub const SGLANG_OVERRIDE_HEADER: &str = "x-override-routed-dp-rank";
 /// SGLang's body field, and its deprecated alias (which `routed_dp_rank` outranks).
 pub const SGLANG_BODY_FIELDS: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
 
@@ -110,7 +114,8 @@ impl Engine {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineTarget {
     pub paths: Vec<PathTarget>,
-    /// Every distinct header of `paths`, for stripping a client's copies.
+    /// Every distinct header of `paths`, and any other the engine takes a rank from, for
+    /// stripping a client's copies.
     pub headers: Vec<String>,
 }
 
@@ -158,7 +163,9 @@ impl EngineTarget {
                     header: None,
                     body_fields: sglang_fields(),
                 });
-                paths
+                let mut target = EngineTarget::new(paths);
+                target.headers.push(SGLANG_OVERRIDE_HEADER.into());
+                return target;
             }
             Engine::Vllm => openai
                 .iter()
@@ -280,7 +287,7 @@ mod tests {
         assert_eq!(generate.rank_field(), Some("routed_dp_rank"));
         assert!(generate.edits_body(true));
         assert_eq!(sglang.for_path(b"/v1/embeddings"), None);
-        assert_eq!(sglang.headers, [RANK_HEADER]);
+        assert_eq!(sglang.headers, [RANK_HEADER, SGLANG_OVERRIDE_HEADER]);
         // The Responses and Messages APIs read the rank as chat does, in both engines, and so
         // does SGLang's SageMaker route (a chat completion).
         for path in [&b"/v1/responses"[..], b"/v1/messages", b"/invocations"] {

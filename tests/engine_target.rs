@@ -358,7 +358,12 @@ fn with_no_rank_chosen_a_clients_copies_are_still_removed() {
             r#"{"prompt":"c","data_parallel_rank":1,"routed_dp_rank":1}"#,
         ),
     ] {
-        let response = stack.send(&post(path, sent).header(RANK_HEADER, "1"));
+        // SGLang's override header (honoured on every path when the server enables header
+        // overrides) goes too.
+        let request = post(path, sent)
+            .header(RANK_HEADER, "1")
+            .header("x-override-routed-dp-rank", "1");
+        let response = stack.send(&request);
         ranks.push(engine_rank(&response));
         let want = sent
             .replace(",\"routed_dp_rank\":1", "")
@@ -367,11 +372,13 @@ fn with_no_rank_chosen_a_clients_copies_are_still_removed() {
             .replace(",\"data_parallel_rank\":1", "");
         assert_upstream_body(&response, &want);
         assert!(!upstream_headers(&response).contains_key(RANK_HEADER));
+        assert!(!upstream_headers(&response).contains_key("x-override-routed-dp-rank"));
     }
     println!("balanced by the engine, client asked for 1: {ranks:?}");
     assert!(ranks.iter().any(|r| *r != 1), "{ranks:?}");
     let counters = stack.settled();
     counters.assert_eq("target_body_stripped", 4);
+    counters.assert_eq("target_header_stripped", 4);
     counters.assert_zero(&["target_body_rewritten"]);
 
     // An engine header named apart from the explicit-rank header is stripped too.
