@@ -7,7 +7,7 @@ use std::borrow::Cow;
 
 use crate::chain::Chain;
 use crate::config::Config;
-use crate::failure::{classify, Answer};
+use crate::failure::{classify, grpc_as_http, Answer};
 use crate::json_scan::{scan_top_level, ScanError, Value};
 use crate::prompt::{scan_prompt, Api};
 
@@ -125,7 +125,10 @@ impl<'a> HeaderFacts<'a> {
 /// The response headers the filter cares about, collected in one pass.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct ResponseFacts {
-    /// `:status`, 0 when absent or unreadable.
+    /// `:status`, 0 when absent or unreadable; for a `2xx` carrying a `grpc-status` in its
+    /// headers (a gRPC answer with no message: how gRPC errors, the rank's and Envoy's own, come
+    /// back), the status that gRPC status stands for ([`grpc_as_http`]), so a failure is judged
+    /// as one.
     pub status: u64,
     /// The rank the upstream reported in `learn.response_header` (valid and in range).
     pub reported_rank: Option<u32>,
@@ -142,18 +145,26 @@ impl ResponseFacts {
         let mut f = ResponseFacts::default();
         let learn = cfg.learn.response_header.as_deref().map(str::as_bytes);
         let mut copies = 0;
+        let mut grpc_status = None;
         for (name, value) in headers {
+            // Envoy's header names are lower case.
             if name == b":status" {
-                f.status = parse_u64(trim_ows(value)).unwrap_or(0);
+                f.status = header_number(value).unwrap_or(0);
+            } else if name == b"grpc-status" {
+                grpc_status = Some(value);
             } else if learn.is_some_and(|h| name.eq_ignore_ascii_case(h)) {
                 copies += 1;
-                f.reported_rank = parse_u64(trim_ows(value))
+                f.reported_rank = header_number(value)
                     .filter(|&n| n < u64::from(cfg.dp_size))
                     .map(|n| n as u32);
             }
         }
         if copies != 1 {
             f.reported_rank = None; // duplicated: ambiguous, so not trusted
+        }
+        if let (200..=299, Some(code)) = (f.status, grpc_status) {
+            // Unreadable: gRPC's UNKNOWN.
+            f.status = grpc_as_http(header_number(code).unwrap_or(2));
         }
         f.echo_in_place = f.reported_rank.is_some()
             && cfg.echo_header.as_deref() == cfg.learn.response_header.as_deref();
@@ -186,6 +197,13 @@ pub fn trim_ows(v: &[u8]) -> &[u8] {
         .rposition(|&c| c != b' ' && c != b'\t')
         .map_or(start, |e| e + 1);
     &v[start..end]
+}
+
+/// A header value's number (optional whitespace around ASCII digits). Not inlined: one copy
+/// for the response headers' three numbers.
+#[inline(never)]
+fn header_number(value: &[u8]) -> Option<u64> {
+    parse_u64(trim_ows(value))
 }
 
 /// Parses ASCII digits into a u64; `None` on anything else or on overflow.
@@ -518,6 +536,19 @@ mod tests {
         let twice = collect(&[(":status", "200"), ("x-dp-rank", "1"), ("x-dp-rank", "1")]);
         assert_eq!((twice.reported_rank, twice.echo_in_place), (None, false));
         assert!(!collect(&[]).served());
+
+        // A gRPC answer's status is its grpc-status: Envoy's own "unavailable" for a rank it
+        // could not reach is a 200 carrying grpc-status 14.
+        let grpc = |code: &str| collect(&[(":status", "200"), ("grpc-status", code)]).status;
+        assert_eq!(grpc("0"), 200);
+        assert_eq!(grpc("14"), 503);
+        assert_eq!(grpc("4"), 504);
+        assert_eq!(grpc("3"), 400);
+        assert_eq!(grpc("13"), 500);
+        assert_eq!(grpc("x"), 500);
+        assert!(!collect(&[(":status", "200"), ("grpc-status", "14")]).served());
+        let failed_http = collect(&[(":status", "502"), ("grpc-status", "0")]);
+        assert_eq!(failed_http.status, 502, "only a 2xx reads its grpc-status");
 
         let renamed = Config::from_json(br#"{"dp_size":4,"echo_header":"x-served"}"#).unwrap();
         let f = ResponseFacts::collect(&renamed, [(&b"x-dp-rank"[..], &b"1"[..])]);

@@ -147,6 +147,18 @@ pub fn classify(status: u64, details: Option<&[u8]>) -> Answer {
     }
 }
 
+/// The HTTP status a gRPC status stands for, as Envoy maps them (`grpcToHttpStatus`): a gRPC
+/// answer is a `200` whose `grpc-status` says how it went, and Envoy's own failure answers to a
+/// gRPC request (no connection, no healthy upstream, a time-out) are such `200`s too.
+pub fn grpc_as_http(grpc_status: u64) -> u64 {
+    // Indexed by gRPC status (0 OK … 16 UNAUTHENTICATED); any other is UNKNOWN's.
+    const HTTP: [u16; 17] = [
+        200, 499, 500, 400, 504, 404, 409, 403, 429, 400, 409, 400, 501, 500, 503, 500, 401,
+    ];
+    let status = usize::try_from(grpc_status).ok().and_then(|i| HTTP.get(i));
+    u64::from(status.copied().unwrap_or(500))
+}
+
 /// Who chose the rank a request went to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Chooser {

@@ -592,6 +592,56 @@ fn killed_rank_unpinned() {
     assert_eq!(ranks_for(&stack, &keyed(key), 3), vec![moved_to; 3]);
 }
 
+/// A gRPC request's failure comes back from Envoy as a `200` carrying `grpc-status` (14, unavailable,
+/// for a rank it cannot reach): judged by that status, not the `200`, its key is unpinned and
+/// the rank cooled down as for any request. Taken as served, the key stayed on the dead rank
+/// (6 of 6 later requests failed) and every such answer cancelled a strike.
+#[test]
+fn a_grpc_request_to_a_dead_rank_is_judged_by_its_grpc_status() {
+    // Envoy answers in gRPC's form for any request whose content type is gRPC's; the mock
+    // answers this path with a plain 200.
+    let grpc = |key: &str| {
+        Request::get("/health")
+            .header("content-type", "application/grpc")
+            .header(KEY_HEADER, key)
+    };
+    let mut stack = Stack::start(
+        "grpc_dead_rank",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let key = "grpc-conversation";
+    let served = stack.send(&grpc(key));
+    assert_eq!((served.status, served.header("grpc-status")), (200, None));
+    let first = echoed_rank(&served);
+    assert_eq!(echoed_rank(&stack.send(&grpc(key))), first, "pinned");
+    stack.mock(first).kill();
+    let mut failed = Vec::new();
+    let mut moved_to = None;
+    for _ in 0..3 {
+        let response = stack.send(&grpc(key));
+        assert_eq!(response.status, 200, "{:?}", response.headers);
+        match response.header("grpc-status") {
+            Some(code) if code != "0" => failed.push(code.to_string()),
+            _ => {
+                moved_to = Some(echoed_rank(&response));
+                break;
+            }
+        }
+    }
+    eprintln!(
+        "gRPC, rank {first} killed: grpc-status of the failures {failed:?}, then {moved_to:?}"
+    );
+    assert_eq!(
+        failed,
+        ["14"],
+        "one request fails on the dead rank, no more"
+    );
+    assert!(moved_to.is_some_and(|r| r != first), "{moved_to:?}");
+    let counters = stack.settled();
+    counters.assert_eq("unpinned", 1);
+    counters.assert_eq("rank_cooldown", 1);
+}
+
 // ---------------------------------------------------------------- 10. bounded table
 
 #[test]
