@@ -615,6 +615,63 @@ fn a_rank_that_stalls_mid_answer_is_drained_of_pinned_traffic() {
     );
 }
 
+/// The same stall where Envoy balances and the filter learns each key's rank from the `2xx`:
+/// the pin learned from an answer the rank then cut short goes again (with no strike: Envoy
+/// chose the rank). Kept, every such conversation's next turn went back to the stalled rank.
+#[test]
+fn a_pin_learned_from_an_answer_the_rank_cuts_short_is_removed() {
+    const HUNG: u32 = 1;
+    const STREAMS: usize = 24;
+    let stack = Stack::start(
+        "learn_stall",
+        StackOptions::new(plugin_config(json!({})))
+            .rank_args(HUNG, &["--stream-interval-ms", "600000"])
+            .upstream_idle_timeout("2s"),
+    );
+    let addr = stack.addr();
+    let answers: Vec<String> = (0..STREAMS)
+        .map(|i| {
+            let raw = chat(json!({ "stream": true, "max_tokens": 4 }))
+                .header(KEY_HEADER, &format!("l-{i}"))
+                .encode(true);
+            thread::spawn(move || {
+                let outcome = support::http::send_raw(addr, raw, "POST");
+                String::from_utf8_lossy(&outcome.received).to_lowercase()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect();
+    let cut: Vec<usize> = (0..STREAMS)
+        .filter(|&i| answers[i].contains(&format!("\r\nx-dp-rank: {HUNG}\r\n")))
+        .collect();
+    assert!(
+        cut.len() >= 2,
+        "Envoy placed fewer than 2 keys on the stalling rank"
+    );
+    for (i, text) in answers.iter().enumerate() {
+        assert!(text.starts_with("http/1.1 200"), "l-{i}: {text}");
+        assert_eq!(text.contains("[done]"), !cut.contains(&i), "l-{i}: {text}");
+    }
+    let counters = stack.settled();
+    counters.assert_eq("learned", STREAMS as u64);
+    counters.assert_eq("answer_cut", cut.len() as u64);
+    counters.assert_eq("unpinned", cut.len() as u64);
+    counters.assert_zero(&["rank_errors", "rank_cooldown"]);
+    // Their next turns find no pin: each is placed (and learned) afresh.
+    for &i in &cut {
+        stack.send(&keyed(&format!("l-{i}")));
+    }
+    let after = stack.settled();
+    after.assert_eq("affinity_hit", counters.get("affinity_hit"));
+    after.assert_eq("learned", STREAMS as u64 + cut.len() as u64);
+    println!(
+        "learned stall: {} of {STREAMS} streams cut on the rank Envoy chose; their pins removed, next turns placed afresh",
+        cut.len()
+    );
+}
+
 #[test]
 fn a_request_abandoned_before_any_answer_unpins_only_its_key() {
     let stack = Stack::start(

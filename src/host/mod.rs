@@ -451,8 +451,9 @@ enum Routed {
     Direct { rank: u32, chooser: Chooser },
     /// The key is pinned to this rank (it was, or the filter just placed it there).
     Pinned { hash: u64, rank: u32 },
-    /// The key was not pinned and Envoy balances: learn the rank from the response.
-    Learn { hash: u64 },
+    /// The key was not pinned and Envoy balances: learn the rank from the response (`learned`,
+    /// once a 2xx named it, so that an answer the rank cuts short unpins it again).
+    Learn { hash: u64, learned: Option<u32> },
     /// No key and Envoy balances: nothing to learn.
     Balanced,
 }
@@ -673,13 +674,18 @@ impl HttpContext for Filter {
                     facts.echo_in_place && facts.reported_rank == Some(rank),
                 )
             }
-            Routed::Learn { hash } => {
+            Routed::Learn { hash, .. } => {
                 let facts = self.response_facts();
                 let served = self.served_rank(&facts);
                 if facts.served() {
                     self.learn(hash, served);
                     if let Some(rank) = served {
                         self.keep_prefix(rank);
+                        self.routed = Routed::Learn {
+                            hash,
+                            learned: served,
+                        };
+                        self.served = true;
                     }
                 }
                 (served, facts.echo_in_place)
@@ -744,18 +750,24 @@ impl Filter {
         self.release_acquired();
     }
 
-    /// A 2xx from the rank the filter chose never reached its end. The client may have left
-    /// (its own doing: nothing to act on), or the rank stopped short of it — Envoy timed the
-    /// stream out, or the rank reset it (`failure::cut_by_rank`): then the request failed after
-    /// all, and is settled again as such (its key unpinned, a strike, no strike forgiven). One
-    /// property read, only for answers cut short.
+    /// A 2xx from the rank the filter chose (or learned a key's pin from) never reached its end.
+    /// The client may have left (its own doing: nothing to act on), or the rank stopped short of
+    /// it — Envoy timed the stream out, or the rank reset it (`failure::cut_by_rank`): then the
+    /// request failed after all, and is settled again as such (its key unpinned; where the filter
+    /// chose, a strike and no strike forgiven). One property read, only for answers cut short.
     fn settle_cut_answer(&mut self) {
-        let (rank, key) = match self.routed {
-            Routed::Pinned { hash, rank } => (rank, Some(hash)),
+        let (rank, key, chooser) = match self.routed {
+            Routed::Pinned { hash, rank } => (rank, Some(hash), Chooser::Filter),
             Routed::Direct {
                 rank,
                 chooser: Chooser::Filter,
-            } => (rank, None),
+            } => (rank, None, Chooser::Filter),
+            // Envoy chose the rank the key was just pinned to: the pin goes, and as for a
+            // client's choice, no strike.
+            Routed::Learn {
+                hash,
+                learned: Some(rank),
+            } => (rank, Some(hash), Chooser::Client),
             _ => return,
         };
         let details = abi::property(&["response", "code_details"]).ok().flatten();
@@ -768,7 +780,7 @@ impl Filter {
             String::from_utf8_lossy(details.as_deref().unwrap_or_default())
         );
         self.rt.counters.add(Counter::AnswerCut, 1);
-        self.settle(rank, key, Chooser::Filter, Answer::Cut);
+        self.settle(rank, key, chooser, Answer::Cut);
     }
 
     /// The whole body is buffered: decide from it if the decision waited for it, then edit it
@@ -923,7 +935,10 @@ impl Filter {
         self.withdraw_placed_prefix();
         self.engine_rank = None;
         self.routed = match self.routed {
-            Routed::Pinned { hash, .. } => Routed::Learn { hash },
+            Routed::Pinned { hash, .. } => Routed::Learn {
+                hash,
+                learned: None,
+            },
             Routed::Direct { .. } => Routed::Balanced,
             other => other,
         };
@@ -1140,7 +1155,10 @@ impl Filter {
                 }
             }
             // The key and the chain are learned and recorded from the answer.
-            Target::Learn { hash } => Routed::Learn { hash },
+            Target::Learn { hash } => Routed::Learn {
+                hash,
+                learned: None,
+            },
             Target::Balanced => Routed::Balanced,
         };
     }
