@@ -168,6 +168,12 @@ pub fn plan(
             };
             (target, [Some(outcome), assigned, home])
         }
+        // Envoy balances and, with no usable rank, the pin another conversation of the key
+        // holds stays where it is: nothing to learn from this one's answer.
+        (Some(_), None) if overruled => (
+            Target::Balanced,
+            [Some(unplaced(states, Counter::KeyOverruled)), None, None],
+        ),
         // Envoy balances: a miss the response teaches, or (with load counted) no usable rank.
         (Some(key), None) => (
             Target::Learn { hash: key.hash },
@@ -1557,6 +1563,23 @@ mod tests {
                 [Some(AffinityMiss), Some(Assigned), None],
             ),
         ];
+        // Overruled while no rank is usable: Envoy balances, and the pin (another
+        // conversation's) is not rewritten from this answer, as a Learn target would.
+        let down = states(&[(0, 100); 4]);
+        let overruled_facts = Facts {
+            key: pin(Some(other), tag + 1),
+            matched: Some(shared(4, other)),
+            anchor: Some(5),
+            chain_blocks: 20,
+            anchor_kept: Kept::Yes,
+            opening_name: None,
+            turn: 0,
+        };
+        let p = plan(&c, 0, &overruled_facts, Some(&down), 20);
+        assert_eq!(
+            (p.target, p.counters),
+            (Target::Balanced, [Some(NoUsableRank), None, None])
+        );
         let known = |m: Option<Match>| Tag {
             tag,
             depth: m.map_or(0, |m| m.blocks as u16),
