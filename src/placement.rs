@@ -156,8 +156,10 @@ pub fn plan(
             // a key every request of an application sends would otherwise be rewritten by
             // nearly every request. A held pin whose conversation is not known yet learns it
             // (or its name past a shared prefix, when the pin knows only one past nothing).
+            // A pin held although the prompt overruled it (the prompt chose its rank too) is
+            // another conversation's: it learns nothing from this one.
             let write_pin = if held {
-                sure.tag != 0 && (key.tag == 0 || (key.depth == 0 && sure.depth != 0))
+                !overruled && sure.tag != 0 && (key.tag == 0 || (key.depth == 0 && sure.depth != 0))
             } else {
                 !overruled
             };
@@ -1368,6 +1370,43 @@ mod tests {
             ..Facts::default()
         };
         assign(c, &busy, 0, &facts, 1).expect("three usable ranks")
+    }
+
+    /// A request overruling an untagged pin with its own history, on a rank that is cooling
+    /// down, goes home, and its home is the pin's rank: held, but the pin does not take this
+    /// other conversation's name.
+    #[test]
+    fn a_pin_held_although_overruled_learns_no_name() {
+        let c = cfg("");
+        let mut st = states(&[(0, 0); 4]);
+        let (pin, history) = (1u32, 2u32);
+        st.ranks[history as usize].down_until = 99;
+        let anchor = (0u64..)
+            .find(|&a| rendezvous_pair(&st, 0, c.assign.seed, a)[0] == Some(pin))
+            .expect("an anchor whose home is the pin's rank");
+        let facts = Facts {
+            key: Some(KeyFacts {
+                hash: 7,
+                pinned: Some(pin),
+                tag: 0,
+                depth: 0,
+            }),
+            matched: Some(matched(40, history)),
+            anchor: Some(anchor),
+            chain_blocks: 60,
+            anchor_kept: Kept::Yes,
+            opening_name: Some(9),
+            turn: 0,
+        };
+        let p = plan(&c, 0, &facts, Some(&st), 60);
+        assert_eq!(
+            p.target,
+            Target::Pinned {
+                hash: 7,
+                rank: pin,
+                write_pin: false
+            }
+        );
     }
 
     /// A key that many conversations share (an end user's id, an application's cache key):
