@@ -77,11 +77,12 @@ def shipped_plugin(ranks):
     raise RuntimeError("envoy/envoy.yaml: no wasm plugin configuration found")
 
 
-def policy(desc, assign=None, keys="header", prefix=None, gateway=None):
+def policy(desc, assign=None, keys="header", prefix=None, gateway=None, gateway_args=()):
     """assign: the plugin's `assign` section (None: Envoy without the filter); keys: how
     dp-replay sends the routing key (header | none); prefix: the plugin's `prefix` section;
-    gateway: the SGLang model gateway's `--policy`, in place of Envoy."""
-    return {"desc": desc, "assign": assign, "keys": keys, "prefix": prefix, "gateway": gateway}
+    gateway: the SGLang model gateway's `--policy`, in place of Envoy, with `gateway_args`."""
+    return {"desc": desc, "assign": assign, "keys": keys, "prefix": prefix, "gateway": gateway,
+            "gateway_args": list(gateway_args)}
 
 
 BOUNDED = {"mode": "hash", "min_capacity": 4}
@@ -116,6 +117,14 @@ POLICIES = {
         f"SGLang model gateway (sglang-router {bc.SMG_VERSION}) `--policy cache_aware`, NO routing key: "
         "its approximate radix tree of the prompts each worker was sent, balanced by load", keys="none",
         gateway="cache_aware"),
+    # The gateway balances by load only once a worker has `--balance-abs-threshold` (default 64)
+    # more requests than another and 1.5 times as many, which ranks serving 4 at a time never
+    # reach: this variant sets it to the mock's 4 slots, so its load balancing can act here.
+    "gateway-cache-aware-4": policy(
+        f"SGLang model gateway (sglang-router {bc.SMG_VERSION}) `--policy cache_aware "
+        "--balance-abs-threshold 4`, NO routing key: balancing by load from a difference "
+        "of one rank's slots", keys="none", gateway="cache_aware",
+        gateway_args=["--balance-abs-threshold", "4"]),
     "gateway-manual": policy(
         f"SGLang model gateway (sglang-router {bc.SMG_VERSION}) `--policy manual`: the session key in "
         f"`{envoy_gen.ROUTING_KEY_HEADER}`, a new key to a random worker, then pinned", gateway="manual"),
@@ -132,10 +141,10 @@ PREFIX_ALL = ["filter-shipped", "filter-prefix", "filter-hash-bounded", "envoy-r
 PREFIX_SHORT = ["filter-shipped", "filter-prefix", "envoy-rr", "gateway-cache-aware"]
 # The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
 KV_ALL = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed", "filter-hash-bounded",
-          "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY]
+          "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY, "gateway-cache-aware-4"]
 KV_AGENT = ["filter-shipped", "filter-shipped-keyed", "envoy-hash", "envoy-rr", "gateway-cache-aware"]
 KV_REPLICAS = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed",
-               "filter-hash-bounded", "envoy-rr", *GATEWAY]
+               "filter-hash-bounded", "envoy-rr", *GATEWAY, "gateway-cache-aware-4"]
 
 # The mock ranks' engine model, the same for every run: 16-token blocks; prefill 50 us per uncached
 # prompt token, decode 3 ms per output token; 4 requests served at once per rank (more queue); a
@@ -145,6 +154,8 @@ BLOCK_TOKENS = 16
 # How dp-replay sends block-id prompts (`--blocks-as`): a completions prompt, or one user message.
 BLOCKS_AS = "text"
 PREFILL_US, DECODE_US, SLOTS = 50, 3000, 4
+# The tuned gateway's threshold is one rank's slots.
+assert POLICIES["gateway-cache-aware-4"]["gateway_args"] == ["--balance-abs-threshold", str(SLOTS)]
 MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token", str(DECODE_US),
               "--max-concurrency", str(SLOTS)]
 # The kv suite's load: Envoy round robin keeps the ranks this busy (see load_speed).
@@ -152,7 +163,7 @@ MOCK_MODEL = ["--prefill-us-per-token", str(PREFILL_US), "--decode-us-per-token"
 KV_BUSY = float(os.environ.get("BENCH_KV_BUSY", "0.8"))
 # A public trace in the kv suite (`--suite kv --trace FILE`): the keyless policies, and the keyed
 # ones when every request of the trace names its session.
-KV_TRACE_KEYLESS = ["filter-shipped", "envoy-lr", "envoy-rr", "gateway-cache-aware"]
+KV_TRACE_KEYLESS = ["filter-shipped", "envoy-lr", "envoy-rr", "gateway-cache-aware", "gateway-cache-aware-4"]
 KV_TRACE_KEYED = ["filter-shipped-keyed", "envoy-hash", "gateway-manual"]
 
 
@@ -489,7 +500,8 @@ def start_routers(children, workdir, tag, c, spec, name, ports, tokenizer):
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         targets = []
         for i in range(c["replicas"]):
-            _, port = bc.start_gateway(children, spec["gateway"], urls, workdir, f"{tag}-smg{i}", tokenizer)
+            _, port = bc.start_gateway(children, spec["gateway"], urls, workdir, f"{tag}-smg{i}", tokenizer,
+                                       extra=spec["gateway_args"])
             targets.append(f"http://127.0.0.1:{port}")
         return [], targets
     if spec["assign"] == SHIPPED:
@@ -607,7 +619,9 @@ def markdown(results, meta):
                 f"Load: replayed {cfg['speed']:.2f}× faster than the trace's own arrival times (`dp-replay --speed`), "
                 f"where Envoy round robin keeps the ranks' slots {cfg['busy']:.0%} busy by the engine model "
                 f"({cfg['own_busy']:.0%} at the trace's own rate); answers streamed, so TTFB = wait for a slot + "
-                "prefill of the uncached tokens. busy = measured share of the ranks' slots in use.",
+                "prefill of the uncached tokens. busy = measured share of the ranks' slots in use. "
+                "A session's turn leaves at its (compressed) time but never before the previous turn's "
+                "answer has ended, as a client's does (`dp-replay --turns in-order`).",
             ]
         lines += [
             "",

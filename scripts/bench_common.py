@@ -244,7 +244,7 @@ def require_gateway():
         sys.exit(f"smg (sglang-router=={SMG_VERSION}) not found at {SMG}: run `scripts/install-tools.sh --bench`")
 
 
-def gateway_argv(policy, worker_urls, port, metrics_port, tokenizer):
+def gateway_argv(policy, worker_urls, port, metrics_port, tokenizer, extra=()):
     """The `smg launch` command line of one gateway on 127.0.0.1:`port` routing to `worker_urls`
     with `policy`. Its Prometheus listener (default 0.0.0.0:29000) is moved to 127.0.0.1 on a free
     port, so two gateways can run side by side; the worker check runs every second instead of
@@ -255,16 +255,16 @@ def gateway_argv(policy, worker_urls, port, metrics_port, tokenizer):
         "--tokenizer-path", tokenizer,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1",
-        "--log-level", "warn",
+        "--log-level", "warn", *extra,
     ]
 
 
-def start_gateway(children, policy, worker_urls, workdir, name, tokenizer, env=None):
+def start_gateway(children, policy, worker_urls, workdir, name, tokenizer, env=None, extra=()):
     """Starts one gateway and waits until it lists every worker as healthy (GET /workers).
     Raises, with the log's path, when it exits or does not get there in 60 s: a peer that fails
     to start must fail the run, never drop out of the table. `env`: extra variables."""
     port, metrics = free_port(), free_port()
-    argv = gateway_argv(policy, worker_urls, port, metrics, tokenizer)
+    argv = gateway_argv(policy, worker_urls, port, metrics, tokenizer, extra)
     log_path = os.path.join(workdir, f"{name}.log")
     with open(os.path.join(workdir, f"{name}.cmd"), "w") as f:
         f.write(" ".join(argv) + "\n")

@@ -54,7 +54,8 @@ pub const RUN_USAGE: &str = "\
 usage: dp-replay run --trace FILE --target URL [--target URL]... [flags]
 
 Replays a trace open-loop: request i is sent at (t_ms[i] - t_ms[0]) / speed
-whether or not earlier ones finished. Prints a summary table on stderr.
+whether or not earlier ones finished, except that a session's turn waits for
+its previous turn's answer (see --turns). Prints a summary table on stderr.
 
   --trace FILE        JSONL trace (`-` = stdin): t_ms|timestamp, key, one of
                       messages|text|blocks|hash_ids, output_tokens|output_length,
@@ -62,6 +63,10 @@ whether or not earlier ones finished. Prints a summary table on stderr.
   --target URL        http://HOST:PORT[/prefix]; repeat for several replicas
   --spread MODE       random (seeded per request, default) | session (hash
                       of the key; random without a key): target choice
+  --turns ORDER       in-order (default): a request waits for the answer to
+                      the previous request of its key (its session's last
+                      turn) to end, as a client does | open: every request
+                      leaves at its trace time
   --key-mode MODE     header (default) | body (\"prompt_cache_key\") | none
   --key-header NAME   header carrying the key (default x-smg-routing-key)
   --speed X           time compression: 2 replays twice as fast (default 1)
@@ -184,6 +189,7 @@ const RUN_FLAGS: &[(&str, Arity)] = &[
     ("--trace", Arity::Value),
     ("--target", Arity::Repeated),
     ("--spread", Arity::Value),
+    ("--turns", Arity::Value),
     ("--key-mode", Arity::Value),
     ("--key-header", Arity::Value),
     ("--speed", Arity::Value),
@@ -373,6 +379,11 @@ fn run_config(f: &Flags) -> Result<Command, String> {
         "session" => run::SpreadMode::Session,
         other => return Err(format!("--spread: {other:?} is not one of random, session")),
     };
+    let turns = match f.get("--turns").unwrap_or("in-order") {
+        "in-order" => run::TurnOrder::InOrder,
+        "open" => run::TurnOrder::Open,
+        other => return Err(format!("--turns: {other:?} is not one of in-order, open")),
+    };
     let key_header = f
         .get("--key-header")
         .unwrap_or("x-smg-routing-key")
@@ -394,6 +405,7 @@ fn run_config(f: &Flags) -> Result<Command, String> {
         timeout: Duration::from_millis(f.int("--timeout-ms", 60_000, 1, u64::MAX)?),
         max_inflight: f.int("--max-inflight", 1024, 1, MAX_INFLIGHT)?,
         spread,
+        turns,
         seed: f.num("--seed", 1)?,
         out: f.get("--out").map(str::to_string),
         summary: f.get("--summary").map(str::to_string),
@@ -473,6 +485,7 @@ mod tests {
         assert_eq!(cfg.key_mode, run::KeyMode::Header);
         assert_eq!(cfg.key_header, "x-smg-routing-key");
         assert_eq!(cfg.spread, run::SpreadMode::Random);
+        assert_eq!(cfg.turns, run::TurnOrder::InOrder);
         assert_eq!(cfg.speed, 1.0);
         assert!(!cfg.stream);
         assert_eq!(cfg.timeout, Duration::from_secs(60));
@@ -492,6 +505,8 @@ mod tests {
             "X-Key",
             "--spread",
             "session",
+            "--turns",
+            "open",
             "--stream",
             "--speed",
             "2.5",
@@ -511,6 +526,7 @@ mod tests {
         assert_eq!(cfg.key_mode, run::KeyMode::Body);
         assert_eq!(cfg.key_header, "x-key");
         assert_eq!(cfg.spread, run::SpreadMode::Session);
+        assert_eq!(cfg.turns, run::TurnOrder::Open);
         assert!(cfg.stream);
         assert_eq!(
             (cfg.speed, cfg.dp_size, cfg.limit),

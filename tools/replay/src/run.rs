@@ -1,11 +1,14 @@
 //! `run`: open-loop replay. Each request leaves at its trace time (divided by
 //! `--speed`) whether or not earlier ones have finished, because a closed loop
 //! hides overload: a slow rank would slow the client down instead of building
-//! a queue. Sends run on a growing pool of worker threads, each keeping one
-//! keep-alive connection per target; `--max-inflight` caps concurrency only as
-//! a safety valve, and every send it delayed is counted.
+//! a queue. Within a session (requests with one key), by default, a turn waits
+//! for the previous turn's answer as a real client does (`--turns in-order`):
+//! a compressed trace would otherwise send a turn before the answer it
+//! continues exists. Sends run on a growing pool of worker threads, each
+//! keeping one keep-alive connection per target; `--max-inflight` caps
+//! concurrency only as a safety valve, and every send it delayed is counted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,6 +53,15 @@ pub enum SpreadMode {
     Session,
 }
 
+/// When a session's next turn may leave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnOrder {
+    /// At its trace time, after the previous turn's answer has ended.
+    InOrder,
+    /// At its trace time, whatever the previous turn's state.
+    Open,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub trace: String,
@@ -62,6 +74,7 @@ pub struct Config {
     pub timeout: Duration,
     pub max_inflight: usize,
     pub spread: SpreadMode,
+    pub turns: TurnOrder,
     pub seed: u64,
     pub out: Option<String>,
     pub summary: Option<String>,
@@ -100,6 +113,9 @@ pub struct Record {
     pub lateness_us: u64,
     /// Whether `--max-inflight` held this send back.
     pub inflight_delayed: bool,
+    /// How long the turn waited past its trace time for its session's previous
+    /// answer to end (`--turns in-order`), µs.
+    pub turn_wait_us: u64,
     pub status: Option<u16>,
     /// From the `x-dp-rank` answer header.
     pub rank: Option<u32>,
@@ -131,6 +147,7 @@ impl Record {
             ("scheduled_ms", json!(self.scheduled_ms)),
             ("lateness_us", json!(self.lateness_us)),
             ("inflight_delayed", json!(self.inflight_delayed)),
+            ("turn_wait_us", json!(self.turn_wait_us)),
             ("status", json!(self.status)),
             ("rank", json!(self.rank)),
             ("prompt_tokens", json!(self.prompt_tokens)),
@@ -184,6 +201,53 @@ struct Shared<'a> {
     /// Workers waiting for a job and not yet promised one.
     idle: AtomicUsize,
     gate: Gate,
+    /// Sessions with a turn in flight, each with the turns that wait for it
+    /// (`--turns in-order`).
+    sessions: Mutex<HashMap<String, VecDeque<Job>>>,
+}
+
+impl Shared<'_> {
+    /// Whether `job` may leave now; otherwise it waits for its session's turn
+    /// in flight, and goes when that turn ends ([`Shared::next_turn`]).
+    fn turn_may_leave(&self, order: TurnOrder, job: Job) -> Option<Job> {
+        let Some(key) = job
+            .record
+            .key
+            .clone()
+            .filter(|_| order == TurnOrder::InOrder)
+        else {
+            return Some(job);
+        };
+        let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        match sessions.get_mut(&key) {
+            Some(waiting) => {
+                waiting.push_back(job);
+                None
+            }
+            None => {
+                sessions.insert(key, VecDeque::new());
+                Some(job)
+            }
+        }
+    }
+
+    /// The session's next turn once its turn in flight (of `key`) has ended,
+    /// due no earlier than now; `None` when none waits (the session is idle).
+    fn next_turn(&self, key: Option<&str>) -> Option<Job> {
+        let key = key?;
+        let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        let waiting = sessions.get_mut(key)?;
+        let Some(mut job) = waiting.pop_front() else {
+            sessions.remove(key);
+            return None;
+        };
+        let now = Instant::now();
+        if job.due < now {
+            job.record.turn_wait_us = micros(now - job.due);
+            job.due = now;
+        }
+        Some(job)
+    }
 }
 
 /// Replays `requests` (time-sorted) and returns one record per request in
@@ -200,6 +264,7 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
             inflight: Mutex::new(0),
             freed: Condvar::new(),
         },
+        sessions: Mutex::new(HashMap::new()),
     };
     let opts = cfg.body_options();
     let mut target_rng = Rng::new(derive(cfg.seed, &[TARGET_STREAM]));
@@ -215,7 +280,7 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
                 }
                 _ => random_target,
             };
-            let mut job = Job {
+            let job = Job {
                 record: Record {
                     index,
                     line: req.line,
@@ -231,6 +296,9 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
             if job.due > now {
                 thread::sleep(job.due - now);
             }
+            let Some(mut job) = shared.turn_may_leave(cfg.turns, job) else {
+                continue;
+            };
             // Only a send that is due and finds the cap reached is delayed.
             job.record.inflight_delayed = shared.gate.acquire(cfg.max_inflight);
             dispatch(scope, &shared, &job_tx, &rec_tx, job);
@@ -282,8 +350,15 @@ fn dispatch<'scope, 'env>(
 }
 
 fn fail(shared: &Shared, records: &Sender<Record>, mut record: Record, msg: &str) {
+    let key = record.key.clone();
     record.error = Some(msg.to_string());
     let _ = records.send(record);
+    // The turns waiting for this one fail with it rather than wait for ever.
+    while let Some(next) = shared.next_turn(key.as_deref()) {
+        let mut next = next.record;
+        next.error = Some(format!("{msg} (an earlier turn of its session)"));
+        let _ = records.send(next);
+    }
     shared.gate.release();
 }
 
@@ -293,7 +368,18 @@ fn worker(shared: &Shared, records: &Sender<Record>, first: Job) {
     let mut job = first;
     loop {
         let record = perform(shared, &mut conns, job);
+        let key = record.key.clone();
         let _ = records.send(record);
+        // The session's next turn, if it was waiting for this one, goes from
+        // this worker and takes over its slot.
+        if let Some(next) = shared.next_turn(key.as_deref()) {
+            let now = Instant::now();
+            if next.due > now {
+                thread::sleep(next.due - now);
+            }
+            job = next;
+            continue;
+        }
         // Idle before releasing the slot: a dispatcher woken by the release
         // then finds this worker instead of starting another.
         shared.idle.fetch_add(1, Ordering::SeqCst);
@@ -592,6 +678,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             max_inflight: 1024,
             spread: SpreadMode::Random,
+            turns: TurnOrder::InOrder,
             seed: 1,
             out: None,
             summary: None,
@@ -697,6 +784,42 @@ mod tests {
         assert!(records[1].lateness_us >= 30_000, "{records:?}");
         assert!(records[2].lateness_us >= 60_000, "{records:?}");
         assert_eq!(stats::summarize(&records, wall_s, None).inflight_delayed, 2);
+    }
+
+    /// Three turns of one session due at once: in order, each leaves when the
+    /// previous answer has ended (and says how long it waited); open, all at once.
+    /// Another session's turn is not held back by them.
+    #[test]
+    fn a_sessions_turns_wait_for_the_previous_answer() {
+        let (url, _) = slow_server(Duration::from_millis(30));
+        let at_once = |key: &str, i: usize| {
+            let line = format!(r#"{{"t_ms": 0, "key": "{key}", "hash_ids": [1, {i}]}}"#);
+            trace::parse_line(&line, i + 1).expect("line")
+        };
+        let reqs: Vec<Request> = vec![
+            at_once("a", 0),
+            at_once("a", 1),
+            at_once("b", 2),
+            at_once("a", 3),
+        ];
+        let (records, wall_s) = execute(&config(std::slice::from_ref(&url)), &reqs);
+        assert!(records.iter().all(Record::ok), "{records:?}");
+        assert!(wall_s >= 0.09, "three turns one after the other: {wall_s}");
+        assert_eq!(records[0].turn_wait_us, 0);
+        assert!(records[1].turn_wait_us >= 25_000, "{records:?}");
+        assert_eq!(records[2].turn_wait_us, 0, "another session");
+        assert!(records[3].turn_wait_us >= 55_000, "{records:?}");
+        assert_eq!(stats::summarize(&records, wall_s, None).turns_waited, 2);
+        let open = Config {
+            turns: TurnOrder::Open,
+            ..config(&[url])
+        };
+        let (records, wall_s) = execute(&open, &reqs);
+        assert!(
+            records.iter().all(|r| r.ok() && r.turn_wait_us == 0),
+            "{records:?}"
+        );
+        assert!(wall_s < 0.09, "all at once: {wall_s}");
     }
 
     #[test]

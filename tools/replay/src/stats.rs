@@ -104,6 +104,8 @@ pub struct Summary {
     pub total_us: Spread,
     pub lateness_us: Spread,
     pub inflight_delayed: u64,
+    /// Turns that waited for their session's previous answer (`--turns in-order`).
+    pub turns_waited: u64,
 }
 
 pub fn summarize(records: &[Record], wall_s: f64, dp_size: Option<u32>) -> Summary {
@@ -161,6 +163,7 @@ pub fn summarize(records: &[Record], wall_s: f64, dp_size: Option<u32>) -> Summa
         total_us: Spread::of(ok.iter().filter_map(|r| r.total_us).collect()),
         lateness_us: Spread::of(records.iter().map(|r| r.lateness_us).collect()),
         inflight_delayed: records.iter().filter(|r| r.inflight_delayed).count() as u64,
+        turns_waited: records.iter().filter(|r| r.turn_wait_us > 0).count() as u64,
     }
 }
 
@@ -197,6 +200,7 @@ impl Summary {
             "total_us": self.total_us.to_json(),
             "send_lateness_us": self.lateness_us.to_json(),
             "inflight_delayed": self.inflight_delayed,
+            "turns_waited": self.turns_waited,
         })
     }
 
@@ -205,8 +209,8 @@ impl Summary {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "requests {}  ok {}  errors {}  wall {:.1} s  delayed by --max-inflight {}",
-            self.requests, self.ok, self.errors, self.wall_s, self.inflight_delayed
+            "requests {}  ok {}  errors {}  wall {:.1} s  delayed by --max-inflight {}  turns waiting for the previous answer {}",
+            self.requests, self.ok, self.errors, self.wall_s, self.inflight_delayed, self.turns_waited
         );
         let _ = writeln!(
             s,
