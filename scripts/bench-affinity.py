@@ -142,7 +142,8 @@ PREFIX_SHORT = ["filter-shipped", "filter-prefix", "envoy-rr", "gateway-cache-aw
 # The KV-cache-trace suite: keyless and keyed placements, Envoy's own policies and the gateway.
 KV_ALL = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed", "filter-hash-bounded",
           "envoy-hash", "envoy-lr", "envoy-rr", *GATEWAY, "gateway-cache-aware-4"]
-KV_AGENT = ["filter-shipped", "filter-shipped-keyed", "envoy-hash", "envoy-rr", "gateway-cache-aware"]
+KV_AGENT = ["filter-shipped", "filter-shipped-keyed", "envoy-hash", "envoy-rr", "gateway-cache-aware",
+            "gateway-cache-aware-4"]
 KV_REPLICAS = ["filter-shipped", "filter-shipped-keyed", "filter-prefix", "filter-prefix-keyed",
                "filter-hash-bounded", "envoy-rr", *GATEWAY, "gateway-cache-aware-4"]
 

@@ -558,6 +558,33 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
     );
 }
 
+/// `n` streamed chats sent at once, keys `<prefix>-<i>`: each one's raw answer, lower-cased.
+fn streamed_at_once(stack: &Stack, prefix: &str, n: usize) -> Vec<String> {
+    let addr = stack.addr();
+    (0..n)
+        .map(|i| {
+            let raw = chat(json!({ "stream": true, "max_tokens": 4 }))
+                .header(KEY_HEADER, &format!("{prefix}-{i}"))
+                .encode(true);
+            thread::spawn(move || {
+                let outcome = support::http::send_raw(addr, raw, "POST");
+                String::from_utf8_lossy(&outcome.received).to_lowercase()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect()
+}
+
+/// The indexes of the raw answers `rank` served (its `x-dp-rank`).
+fn served_by(answers: &[String], rank: u32) -> Vec<usize> {
+    let header = format!("\r\nx-dp-rank: {rank}\r\n");
+    (0..answers.len())
+        .filter(|&i| answers[i].contains(&header))
+        .collect()
+}
+
 /// A rank that hangs once its answer has started: a streamed reply's `200` goes out with its
 /// first event, so Envoy's idle time-out can only cut the stream (no 504 is sent). The filter
 /// reads that ending from Envoy and counts it against the rank as it counts a 504.
@@ -572,24 +599,8 @@ fn a_rank_that_stalls_mid_answer_is_drained_of_pinned_traffic() {
         .rank_args(HUNG, &["--stream-interval-ms", "600000"])
         .upstream_idle_timeout("2s"),
     );
-    let addr = stack.addr();
-    let streamed = |i: usize| {
-        chat(json!({ "stream": true, "max_tokens": 4 })).header(KEY_HEADER, &format!("s-{i}"))
-    };
-    let answers: Vec<String> = (0..40)
-        .map(|i| {
-            let raw = streamed(i).encode(true);
-            thread::spawn(move || {
-                let outcome = support::http::send_raw(addr, raw, "POST");
-                String::from_utf8_lossy(&outcome.received).to_lowercase()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|t| t.join().expect("client"))
-        .collect();
-    let on_hung = |text: &str| text.contains(&format!("\r\nx-dp-rank: {HUNG}\r\n"));
-    let cut: Vec<usize> = (0..40).filter(|&i| on_hung(&answers[i])).collect();
+    let answers = streamed_at_once(&stack, "s", 40);
+    let cut = served_by(&answers, HUNG);
     assert!(
         cut.len() >= 3,
         "fewer than 3 keys placed on the stalling rank"
@@ -628,24 +639,8 @@ fn a_pin_learned_from_an_answer_the_rank_cuts_short_is_removed() {
             .rank_args(HUNG, &["--stream-interval-ms", "600000"])
             .upstream_idle_timeout("2s"),
     );
-    let addr = stack.addr();
-    let answers: Vec<String> = (0..STREAMS)
-        .map(|i| {
-            let raw = chat(json!({ "stream": true, "max_tokens": 4 }))
-                .header(KEY_HEADER, &format!("l-{i}"))
-                .encode(true);
-            thread::spawn(move || {
-                let outcome = support::http::send_raw(addr, raw, "POST");
-                String::from_utf8_lossy(&outcome.received).to_lowercase()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|t| t.join().expect("client"))
-        .collect();
-    let cut: Vec<usize> = (0..STREAMS)
-        .filter(|&i| answers[i].contains(&format!("\r\nx-dp-rank: {HUNG}\r\n")))
-        .collect();
+    let answers = streamed_at_once(&stack, "l", STREAMS);
+    let cut = served_by(&answers, HUNG);
     assert!(
         cut.len() >= 2,
         "Envoy placed fewer than 2 keys on the stalling rank"
