@@ -577,6 +577,18 @@ fn streamed_at_once(stack: &Stack, prefix: &str, n: usize) -> Vec<String> {
         .collect()
 }
 
+/// Every answer started with a `200`, and exactly those at the indexes `cut` never ended.
+fn assert_only_the_cut_unfinished(answers: &[String], cut: &[usize]) {
+    for (i, text) in answers.iter().enumerate() {
+        assert!(text.starts_with("http/1.1 200"), "answer {i}: {text}");
+        assert_eq!(
+            text.contains("[done]"),
+            !cut.contains(&i),
+            "answer {i}: {text}"
+        );
+    }
+}
+
 /// The indexes of the raw answers `rank` served (its `x-dp-rank`).
 fn served_by(answers: &[String], rank: u32) -> Vec<usize> {
     let header = format!("\r\nx-dp-rank: {rank}\r\n");
@@ -605,10 +617,7 @@ fn a_rank_that_stalls_mid_answer_is_drained_of_pinned_traffic() {
         cut.len() >= 3,
         "fewer than 3 keys placed on the stalling rank"
     );
-    for (i, text) in answers.iter().enumerate() {
-        assert!(text.starts_with("http/1.1 200"), "s-{i}: {text}");
-        assert_eq!(text.contains("[done]"), !cut.contains(&i), "s-{i}: {text}");
-    }
+    assert_only_the_cut_unfinished(&answers, &cut);
     let counters = stack.settled();
     assert!(counters.get("rank_errors") >= 3, "{}", counters.nonzero());
     assert_eq!(counters.get("rank_cooldown"), 1);
@@ -645,10 +654,7 @@ fn a_pin_learned_from_an_answer_the_rank_cuts_short_is_removed() {
         cut.len() >= 2,
         "Envoy placed fewer than 2 keys on the stalling rank"
     );
-    for (i, text) in answers.iter().enumerate() {
-        assert!(text.starts_with("http/1.1 200"), "l-{i}: {text}");
-        assert_eq!(text.contains("[done]"), !cut.contains(&i), "l-{i}: {text}");
-    }
+    assert_only_the_cut_unfinished(&answers, &cut);
     let counters = stack.settled();
     counters.assert_eq("learned", STREAMS as u64);
     counters.assert_eq("answer_cut", cut.len() as u64);

@@ -201,21 +201,20 @@ struct Shared<'a> {
     /// Workers waiting for a job and not yet promised one.
     idle: AtomicUsize,
     gate: Gate,
+    turns: TurnOrder,
     /// Sessions with a turn in flight, each with the turns that wait for it
-    /// (`--turns in-order`).
+    /// (`--turns in-order`; always empty with `--turns open`).
     sessions: Mutex<HashMap<String, VecDeque<Job>>>,
 }
 
 impl Shared<'_> {
     /// Whether `job` may leave now; otherwise it waits for its session's turn
     /// in flight, and goes when that turn ends ([`Shared::next_turn`]).
-    fn turn_may_leave(&self, order: TurnOrder, job: Job) -> Option<Job> {
-        let Some(key) = job
-            .record
-            .key
-            .clone()
-            .filter(|_| order == TurnOrder::InOrder)
-        else {
+    fn turn_may_leave(&self, job: Job) -> Option<Job> {
+        if self.turns == TurnOrder::Open {
+            return Some(job);
+        }
+        let Some(key) = job.record.key.clone() else {
             return Some(job);
         };
         let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
@@ -234,7 +233,7 @@ impl Shared<'_> {
     /// The session's next turn once its turn in flight (of `key`) has ended,
     /// due no earlier than now; `None` when none waits (the session is idle).
     fn next_turn(&self, key: Option<&str>) -> Option<Job> {
-        let key = key?;
+        let key = key.filter(|_| self.turns == TurnOrder::InOrder)?;
         let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
         let waiting = sessions.get_mut(key)?;
         let Some(mut job) = waiting.pop_front() else {
@@ -264,6 +263,7 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
             inflight: Mutex::new(0),
             freed: Condvar::new(),
         },
+        turns: cfg.turns,
         sessions: Mutex::new(HashMap::new()),
     };
     let opts = cfg.body_options();
@@ -296,7 +296,7 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
             if job.due > now {
                 thread::sleep(job.due - now);
             }
-            let Some(mut job) = shared.turn_may_leave(cfg.turns, job) else {
+            let Some(mut job) = shared.turn_may_leave(job) else {
                 continue;
             };
             // Only a send that is due and finds the cap reached is delayed.
