@@ -348,6 +348,31 @@ def pod_ordinal(selector):
     return int(ordinal) if ordinal.isdigit() else pod
 
 
+def check_fallback_health(where, routes, clusters, header_of, header):
+    """As envoy/envoy.yaml: the fallback (Envoy balancing over every rank) retries connection
+    failures on another rank and ejects a rank that keeps failing them; a rank route does
+    neither, so a pinned request's failure reaches the filter, which unpins its key."""
+    by_name = {c["name"]: c for c in clusters}
+    for route in routes:
+        cluster = by_name.get(route["route"]["cluster"], {})
+        od = cluster.get("outlier_detection")
+        retry_on = (route["route"].get("retry_policy") or {}).get("retry_on", "")
+        name = route.get("name") or route["route"]["cluster"]
+        if header_of(route, header) is None:
+            if "connect-failure" not in retry_on.split(","):
+                error(f"{where}: the fallback route {name} does not retry connect failures on another "
+                      f"rank (retry_on {retry_on!r}): one rank down fails balanced requests")
+            elif not od or not od.get("split_external_local_origin_errors") \
+                    or not od.get("consecutive_local_origin_failure"):
+                error(f"{where}: the fallback's cluster {cluster.get('name')} has no outlier detection "
+                      f"on local-origin failures: a rank that is down keeps its share of the retries")
+            else:
+                ok(f"{where}: the fallback retries connect failures elsewhere and ejects a failing rank")
+        elif retry_on or od:
+            error(f"{where}: the rank route {name} retries ({retry_on!r}) or has outlier detection: "
+                  f"a pinned request's failure must reach the filter")
+
+
 def check_rank_routes(where, routes, plugin, header_of, ordinal_of_cluster):
     """routes: Envoy routes. Rank variant: one route per rank matching cluster_header ==
     cluster_template(rank), to the backend selecting that rank's pod (ordinal_of_cluster: the
@@ -383,6 +408,11 @@ def check_rank_routes(where, routes, plugin, header_of, ordinal_of_cluster):
 
 
 DUMP_DIR = None  # --dump: keep every generated bootstrap there
+
+# Retries go to another host than the one that failed (Istio and Envoy Gateway both add it).
+PREVIOUS_HOSTS = {"name": "envoy.retry_host_predicates.previous_hosts",
+                  "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host."
+                                            "previous_hosts.v3.PreviousHostsPredicate"}}
 
 
 def run_envoy(envoy, bootstrap, what, errors_before):
@@ -528,8 +558,7 @@ def istio_routes(virtual_services):
                     route["route"]["retry_policy"] = {
                         "retry_on": retries.get("retryOn", "connect-failure,refused-stream,unavailable"),
                         "num_retries": retries.get("attempts", 2),
-                        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
-                                                  "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                        "retry_host_predicate": [copy.deepcopy(PREVIOUS_HOSTS)],
                         "host_selection_retry_max_attempts": 5}
                 remove = http.get("headers", {}).get("request", {}).get("remove", [])
                 if remove:
@@ -745,12 +774,12 @@ def check_istio_set(name, docs, reference, engine, envoy, wasm_path, images):
         h = hcm_of_listener(lst)
         h["http_filters"] = insert_before_router(h["http_filters"], flt)
         listeners.append(lst)
-    check_routes(name, routes, plugins, engine, istio_route_header, ordinal_of_cluster)
+    check_routes(name, routes, clusters, plugins, engine, istio_route_header, ordinal_of_cluster)
     run_envoy(envoy, ads_bootstrap(listeners, clusters), f"{name}: generated gateway with every patch and filter",
               errors_before)
 
 
-def check_routes(name, routes, plugins, engine, header_of, ordinal_of_cluster):
+def check_routes(name, routes, clusters, plugins, engine, header_of, ordinal_of_cluster):
     if not plugins:
         return
     if engine:
@@ -764,6 +793,8 @@ def check_routes(name, routes, plugins, engine, header_of, ordinal_of_cluster):
         if plugin.get("dp_size") != plugins[0].get("dp_size"):
             error(f"{name}: the plugin configurations disagree on dp_size")
     check_rank_routes(name, routes, plugins[0], header_of, ordinal_of_cluster)
+    header = plugins[0].get("target", {}).get("cluster_header", "x-dp-affinity-cluster")
+    check_fallback_health(name, routes, clusters, header_of, header)
 
 
 # --- Envoy Gateway ------------------------------------------------------------------------------
@@ -789,15 +820,56 @@ def seconds(duration):
     raise Invalid(f"unreadable duration {duration!r}")
 
 
+def eg_policy(hr, traffic_policies):
+    """The BackendTrafficPolicy on HTTPRoute `hr` (None if none). Envoy Gateway applies one
+    policy per target and refuses the others as conflicting: two are an error here."""
+    found = [btp for btp in traffic_policies
+             if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
+                    for t in btp["spec"].get("targetRefs", []))]
+    if len(found) > 1:
+        error(f"HTTPRoute {hr['metadata']['name']}: BackendTrafficPolicies "
+              f"{[b['metadata']['name'] for b in found]} all target it; Envoy Gateway applies one "
+              f"and refuses the others as conflicting")
+    return found[0] if found else None
+
+
 def eg_http_timeout(hr, traffic_policies, field):
-    """timeout.http.<field> of the first BackendTrafficPolicy on HTTPRoute `hr` that sets it."""
-    for btp in traffic_policies:
-        if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
-               for t in btp["spec"].get("targetRefs", [])):
-            value = btp["spec"].get("timeout", {}).get("http", {}).get(field)
-            if value is not None:
-                return value
-    return None
+    """timeout.http.<field> of the BackendTrafficPolicy on HTTPRoute `hr`, None if unset."""
+    btp = eg_policy(hr, traffic_policies)
+    return (btp or {}).get("spec", {}).get("timeout", {}).get("http", {}).get(field)
+
+
+def eg_retry_policy(retry):
+    """A BackendTrafficPolicy's `retry` as Envoy Gateway's translator writes it
+    (internal/xds/translator/route.go, buildRetryPolicy): its defaults, then the fields given."""
+    policy = {"retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+              "retriable_status_codes": [503], "num_retries": retry.get("numRetries", 2),
+              "retry_host_predicate": [copy.deepcopy(PREVIOUS_HOSTS)],
+              "host_selection_retry_max_attempts": 5}
+    retry_on = retry.get("retryOn")
+    if retry_on is not None:
+        if retry_on.get("triggers"):
+            policy["retry_on"] = ",".join(retry_on["triggers"])
+        policy.pop("retriable_status_codes")
+        if retry_on.get("httpStatusCodes"):
+            policy["retriable_status_codes"] = list(retry_on["httpStatusCodes"])
+    return policy
+
+
+def eg_outlier_detection(passive):
+    """healthCheck.passive as Envoy Gateway's translator writes it (internal/xds/translator/
+    cluster.go, buildXdsOutlierDetection), with the CRD's defaults."""
+    od = {"interval": passive.get("interval", "3s"),
+          "base_ejection_time": passive.get("baseEjectionTime", "30s"),
+          "split_external_local_origin_errors": passive.get("splitExternalLocalOriginErrors", False),
+          "consecutive_local_origin_failure": passive.get("consecutiveLocalOriginFailures", 5),
+          "consecutive_5xx": passive.get("consecutive5XxErrors", 5)}
+    if passive.get("maxEjectionPercent", 10) > 0:
+        od["max_ejection_percent"] = passive.get("maxEjectionPercent", 10)
+    if passive.get("consecutiveGatewayErrors") is not None:
+        od["consecutive_gateway_failure"] = passive["consecutiveGatewayErrors"]
+        od["enforcing_consecutive_gateway_failure"] = 100
+    return od
 
 
 def eg_stream_idle(hr, rule, traffic_policies):
@@ -820,10 +892,15 @@ def eg_routes(http_routes, traffic_policies, selectors):
     routes, clusters, ordinal_of_cluster = [], [], {}
     for hr in http_routes:
         ns, hname = hr["metadata"].get("namespace", "default"), hr["metadata"]["name"]
+        policy = (eg_policy(hr, traffic_policies) or {}).get("spec", {})
         for i, rule in enumerate(hr["spec"].get("rules", [])):
             cname = f"httproute/{ns}/{hname}/rule/{i}"
             backend = rule["backendRefs"][0]
-            clusters.append(placeholder_cluster(cname, backend.get("port", 80), "LEAST_REQUEST"))
+            cluster = placeholder_cluster(cname, backend.get("port", 80), "LEAST_REQUEST")
+            passive = (policy.get("healthCheck") or {}).get("passive")
+            if passive is not None:
+                cluster["outlier_detection"] = eg_outlier_detection(passive)
+            clusters.append(cluster)
             ordinal_of_cluster[cname] = pod_ordinal(selectors.get(backend["name"]))
             remove = []
             for f in rule.get("filters", []):
@@ -840,6 +917,8 @@ def eg_routes(http_routes, traffic_policies, selectors):
                 stream_idle = eg_stream_idle(hr, rule, traffic_policies)
                 if stream_idle is not None:
                     route["route"]["idle_timeout"] = stream_idle
+                if policy.get("retry") is not None:
+                    route["route"]["retry_policy"] = eg_retry_policy(policy["retry"])
                 if remove:
                     route["request_headers_to_remove"] = remove
                 routes.append(route)
@@ -984,9 +1063,17 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
     route_names = {hr["metadata"]["name"] for hr in by_kind(docs, "HTTPRoute")}
     for eep in by_kind(docs, "EnvoyExtensionPolicy"):
         where = f"EnvoyExtensionPolicy {eep['metadata']['name']}"
-        for t in eep["spec"].get("targetRefs", []):
+        targets = eep["spec"].get("targetRefs", [])
+        for t in targets:
             if t.get("kind") == "HTTPRoute" and t.get("name") not in route_names:
                 error(f"{where}: targets HTTPRoute {t.get('name')}, which this set does not define")
+        # The filter runs only on the routes of the HTTPRoutes it targets, and must run on the
+        # one a request without its header matches first (the fallback), or nothing is chosen.
+        targeted = {t.get("name") for t in targets if t.get("kind") == "HTTPRoute"}
+        if not any(t.get("kind") == "Gateway" and t.get("name") == gname for t in targets) \
+                and targeted != route_names:
+            error(f"{where}: targets HTTPRoutes {sorted(targeted)}, not all of {sorted(route_names)}: "
+                  f"a request matching another one is never placed")
         for i, w in enumerate(eep["spec"].get("wasm", [])):
             flt, plugin, spec = eg_extension_filter(eep, i, wasm_path)
             if spec.get("code", {}).get("type") != "Image":
@@ -1002,7 +1089,7 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                     insert_before_router([ROUTER], flt)
                 lst["address"]["socket_address"]["port_value"] += 1 + i
                 out.append(lst)
-    check_routes(name, routes, plugins, engine, istio_route_header, ordinal_of_cluster)
+    check_routes(name, routes, clusters, plugins, engine, istio_route_header, ordinal_of_cluster)
     run_envoy(envoy, {"static_resources": {"listeners": out, "clusters": clusters}},
               f"{name}: generated gateway with every patch and filter", errors_before)
 
