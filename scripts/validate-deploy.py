@@ -820,16 +820,17 @@ def seconds(duration):
     raise Invalid(f"unreadable duration {duration!r}")
 
 
+def eg_policies(hr, traffic_policies):
+    """The BackendTrafficPolicies that target HTTPRoute `hr`."""
+    return [btp for btp in traffic_policies
+            if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
+                   for t in btp["spec"].get("targetRefs", []))]
+
+
 def eg_policy(hr, traffic_policies):
-    """The BackendTrafficPolicy on HTTPRoute `hr` (None if none). Envoy Gateway applies one
-    policy per target and refuses the others as conflicting: two are an error here."""
-    found = [btp for btp in traffic_policies
-             if any(t.get("kind") == "HTTPRoute" and t.get("name") == hr["metadata"]["name"]
-                    for t in btp["spec"].get("targetRefs", []))]
-    if len(found) > 1:
-        error(f"HTTPRoute {hr['metadata']['name']}: BackendTrafficPolicies "
-              f"{[b['metadata']['name'] for b in found]} all target it; Envoy Gateway applies one "
-              f"and refuses the others as conflicting")
+    """The BackendTrafficPolicy on HTTPRoute `hr` (None if none): the first, as Envoy Gateway
+    applies one policy per target and refuses the others (check_eg_set fails a second one)."""
+    found = eg_policies(hr, traffic_policies)
     return found[0] if found else None
 
 
@@ -1015,6 +1016,11 @@ def check_eg_set(name, docs, reference, engine, envoy, wasm_path, images):
                   f"no BackendTrafficPolicy timeout.http.streamIdleTimeout): a silent rank hangs "
                   f"its requests for ever")
     for hr in by_kind(docs, "HTTPRoute"):
+        found = eg_policies(hr, traffic_policies)
+        if len(found) > 1:
+            error(f"{name}: HTTPRoute {hr['metadata']['name']}: BackendTrafficPolicies "
+                  f"{[b['metadata']['name'] for b in found]} all target it; Envoy Gateway applies one "
+                  f"and refuses the others as conflicting")
         idle = eg_http_timeout(hr, traffic_policies, "connectionIdleTimeout")
         if idle is None or seconds(idle) >= 5:
             error(f"{name}: HTTPRoute {hr['metadata']['name']}: no BackendTrafficPolicy closes idle upstream "
