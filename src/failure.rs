@@ -40,7 +40,7 @@ pub enum Answer {
     /// answering ([`DROPPED`]).
     RankDropped,
     /// Envoy's own 5xx for another reason (overload, the cluster's circuit breaker, a stream the
-    /// rank refused for lack of room, a missing cluster, …): not proof the rank is failing.
+    /// rank refused for lack of room, …): not proof the rank is failing.
     ProxyError,
     /// The stream ended with no response at all (client gone, stream reset).
     Unanswered,
@@ -55,6 +55,12 @@ const VIA_UPSTREAM: &[u8] = b"via_upstream";
 
 /// Envoy's `response.code_details` when no endpoint of the rank's cluster is healthy.
 const NO_HEALTHY_UPSTREAM: &[u8] = b"no_healthy_upstream";
+
+/// Envoy's `response.code_details` when the route names a cluster Envoy does not have: for a
+/// rank the filter chose, its cluster (`target.cluster_template`) is missing from Envoy's
+/// configuration (`dp_size` above the clusters defined). No client can cause it: the filter
+/// removes a client's copy of the cluster header.
+const CLUSTER_NOT_FOUND: &[u8] = b"cluster_not_found";
 
 /// Envoy's `response.code_details` for an upstream stream reset before any response, followed by
 /// `{reason}` (and, for a connect failure, the transport's own reason after it).
@@ -89,9 +95,12 @@ const DROPPED: [&[u8]; 3] = [
 /// (the status already sent), followed by `{reason}` as [`RESET_BEFORE_RESPONSE`].
 const RESET_AFTER_RESPONSE: &[u8] = b"upstream_reset_after_response_started{";
 
-/// Whether `details` say the rank could not be reached (see [`CONNECT_FAILURES`]).
+/// Whether `details` say the rank could not be reached: no healthy endpoint, no such cluster,
+/// or no connection (see [`CONNECT_FAILURES`]).
 fn unreachable(details: &[u8]) -> bool {
-    details.starts_with(NO_HEALTHY_UPSTREAM)
+    [NO_HEALTHY_UPSTREAM, CLUSTER_NOT_FOUND]
+        .iter()
+        .any(|p| details.starts_with(p))
         || reset_for(details, RESET_BEFORE_RESPONSE, &CONNECT_FAILURES)
 }
 
@@ -316,7 +325,8 @@ mod tests {
                 Answer::RankTimeout,
             ),
             (503, Some(&b"overload"[..]), Answer::ProxyError),
-            (503, Some(&b"cluster_not_found"[..]), Answer::ProxyError),
+            // The rank's cluster is missing from Envoy's configuration: nothing reaches it.
+            (503, Some(&b"cluster_not_found"[..]), Answer::RankUnreachable),
             (500, Some(&b""[..]), Answer::ProxyError),
             (0, None, Answer::RankError),
         ] {

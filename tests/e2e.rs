@@ -642,6 +642,44 @@ fn a_grpc_request_to_a_dead_rank_is_judged_by_its_grpc_status() {
     counters.assert_eq("rank_cooldown", 1);
 }
 
+/// `dp_size` above the rank clusters Envoy has (6 ranks, 4 clusters): Envoy answers a request
+/// routed to a missing cluster with `503` (`cluster_not_found`). That is proof the rank cannot
+/// be reached — a client cannot name a cluster, the filter removes its copy of the header — so
+/// each missing rank fails one request and cools down, and the keys that would go there are
+/// placed on the ranks that exist. (Taken as a proxy error, a third of the keys failed on every
+/// request.)
+#[test]
+fn a_rank_whose_cluster_is_missing_cools_down_after_one_failure() {
+    let dir = TestDir::new("missing_cluster");
+    let mocks: Vec<support::mock::MockRank> = (0..4)
+        .map(|rank| support::mock::MockRank::start(rank, &[], dir.path()))
+        .collect();
+    let config = EnvoyConfig::new(
+        mocks.iter().map(support::mock::MockRank::port).collect(),
+        Some(paths::wasm_path()),
+        support::requests::default_config(json!({ "dp_size": 6 })),
+    );
+    let envoy = envoy::Envoy::start(&config, dir.path());
+    let mut failed = 0;
+    let mut served = BTreeSet::new();
+    for turn in 0..2 {
+        for key in 0..60 {
+            let response = envoy.send(&keyed(&format!("missing-cluster-{key}")));
+            match response.status {
+                503 => failed += 1,
+                _ => {
+                    served.insert(served_rank(&response));
+                }
+            }
+        }
+        eprintln!("after round {turn}: {failed} failed, served by {served:?}");
+    }
+    assert!((1..=2).contains(&failed), "{failed} requests failed");
+    assert_eq!(served, BTreeSet::from([0, 1, 2, 3]));
+    let counters = envoy.settled_counters();
+    counters.assert_eq("rank_cooldown", failed);
+}
+
 // ---------------------------------------------------------------- 10. bounded table
 
 #[test]

@@ -1469,7 +1469,7 @@ impl Filter {
         if started {
             rt.counters.add(Counter::RankCooldown, 1);
             info!(
-                "[{}] rank {rank} unreachable; cooling down for {seconds}s",
+                "[{}] rank {rank} unreachable (no connection, no healthy host, or no cluster of its name); cooling down for {seconds}s",
                 self.id
             );
         }
