@@ -83,6 +83,13 @@ impl PrefixHasher {
         let model = model.map_or(self.no_model, |m| self.model.hash(m));
         model ^ tools.map_or(0, |t| self.tools.hash(t))
     }
+
+    /// The part of the seed for a member that splits the engine's cache (`cache_salt`, …: see
+    /// `prompt::CACHE_SPLITTING_MEMBERS`), member `which` of that list holding `raw` (its JSON as
+    /// sent): rotated by its position, so two members swapping values do not cancel out.
+    pub(crate) fn member_key(&self, which: usize, raw: &[u8]) -> u64 {
+        self.tools.hash(raw).rotate_left(which as u32 * 8 + 1)
+    }
 }
 
 /// One lane absorbing one word (see the module doc).
@@ -492,12 +499,18 @@ impl<'h> ChainBuilder<'h> {
         self.filled = 0;
     }
 
-    /// The chain, every block seeded by `model` and `tools` (see `PrefixHasher::seed_key`).
-    pub(crate) fn finish(mut self, model: Option<&[u8]>, tools: Option<&[u8]>) -> Chain {
+    /// The chain, every block seeded by `model` and `tools` (see `PrefixHasher::seed_key`) and
+    /// `members` (the [`PrefixHasher::member_key`]s of the request, XORed; 0 for none).
+    pub(crate) fn finish(
+        mut self,
+        model: Option<&[u8]>,
+        tools: Option<&[u8]>,
+        members: u64,
+    ) -> Chain {
         if self.unusable || self.domain.is_none() {
             return Chain::default();
         }
-        let key = self.h.seed_key(model, tools);
+        let key = self.h.seed_key(model, tools) ^ members;
         for h in &mut self.hashes {
             *h = fmix64(*h ^ key);
         }
@@ -552,7 +565,7 @@ pub(crate) mod tests {
         let mut b = ChainBuilder::new(&h, c);
         b.begin(domain);
         b.feed(stream);
-        b.finish(model.map(str::as_bytes), None).hashes
+        b.finish(model.map(str::as_bytes), None, 0).hashes
     }
 
     /// A walk recorded and replayed after a prefix fed later gives the chain (and opening) of
@@ -575,7 +588,7 @@ pub(crate) mod tests {
             direct.begin(Domain::Chat);
             direct.feed(b"system\"lead\"");
             walk(&mut direct);
-            let want = direct.finish(Some(b"m"), None);
+            let want = direct.finish(Some(b"m"), None, 0);
 
             let mut recorded = ChainBuilder::new(&h, &c);
             recorded.begin(Domain::Chat);
@@ -586,7 +599,7 @@ pub(crate) mod tests {
             recorded.restart().begin(Domain::Chat);
             recorded.feed(b"system\"lead\"");
             recorded.replay(&body, &recording);
-            let got = recorded.finish(Some(b"m"), None);
+            let got = recorded.finish(Some(b"m"), None, 0);
             assert_eq!(got.hashes(), want.hashes(), "max_blocks {max_blocks}");
             assert_eq!(got.opening(), want.opening(), "max_blocks {max_blocks}");
             assert_eq!(got.capped(), want.capped());
@@ -665,7 +678,7 @@ pub(crate) mod tests {
                     b.feed(now);
                     rest = later;
                 }
-                assert_eq!(b.finish(None, None).hashes, want, "block {block}");
+                assert_eq!(b.finish(None, None, 0).hashes, want, "block {block}");
             }
         }
         // Token ids pushed one at a time equal their bytes fed at once.
@@ -678,7 +691,7 @@ pub(crate) mod tests {
                 b.push_u32(id);
             }
             assert_eq!(
-                b.finish(None, None).hashes,
+                b.finish(None, None, 0).hashes,
                 direct(Domain::Tokens, &ids(&v), None, &c)
             );
         }

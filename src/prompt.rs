@@ -160,6 +160,7 @@ pub fn scan_prompt<'a>(
     let mut chain = ChainBuilder::new(hasher, cfg);
     let mut model: Option<(usize, usize)> = None;
     let mut tools: Option<(usize, usize)> = None;
+    let mut splitting = [None; CACHE_SPLITTING_MEMBERS.len()];
     let mut split = SplitPrompt::default();
     let mut generate = GeneratePrompt::default();
     let mut single = SinglePrompt::default();
@@ -176,6 +177,9 @@ pub fn scan_prompt<'a>(
                 };
             } else if name.as_ref() == b"tools" && api.reads_tools() {
                 tools = tool_definitions(&mut s)?;
+            } else if let Some(k) = CACHE_SPLITTING_MEMBERS.iter().position(|m| *m == &*name) {
+                // The last copy counts, as in the engine's Python `dict`.
+                splitting[k] = unless_null(&mut s)?;
             } else if api.is_prompt_field(&name) {
                 let walkers = (&mut split, &mut generate, &mut single);
                 walk_prompt_member(api, &name, &mut s, &mut chain, walkers)?;
@@ -206,7 +210,27 @@ pub fn scan_prompt<'a>(
     }
     let model = model.map(|span| bytes(body, span));
     let tools = tools.map(|span| bytes(body, span));
-    Ok(chain.finish(model, tools))
+    let members = splitting.iter().enumerate().fold(0, |key, (k, span)| {
+        key ^ span.map_or(0, |span| hasher.member_key(k, bytes(body, span)))
+    });
+    Ok(chain.finish(model, tools, members))
+}
+
+/// Top-level members with which the engine keeps a separate prefix cache for the same prompt:
+/// vLLM's and SGLang's `cache_salt` (a tenant's own cache), SGLang's `extra_key` (combined with
+/// the salt into its cache key) and `lora_path` (an adapter's KV differs from the base model's).
+/// Hashed into every block as sent (raw JSON; `null` as absent), so requests that differ in one
+/// never look like sharing a prefix. Other members that change the rendered prompt's start
+/// (`reasoning_effort` for some chat templates, `chat_template_kwargs`) are not: most templates
+/// ignore them, or change only the prompt's end with them, and a conversation that changes them
+/// from one turn to the next would lose its own history.
+const CACHE_SPLITTING_MEMBERS: [&[u8]; 3] = [b"cache_salt", b"extra_key", b"lora_path"];
+
+/// The span of the value at the cursor (raw JSON), `None` for `null`.
+fn unless_null(s: &mut Scanner<'_>) -> Result<Option<(usize, usize)>, ScanError> {
+    let start = s.i;
+    s.skip_value()?;
+    Ok((bytes(s.b, (start, s.i)) != b"null").then_some((start, s.i)))
 }
 
 /// The span of the `tools` value at the cursor (raw JSON, any shape), or `None` for `null` or an
@@ -1972,6 +1996,70 @@ mod tests {
                 opening(&turn2, Api::Messages, &c)
             );
         }
+    }
+
+    /// A tenant's `cache_salt` (and SGLang's `extra_key`, `lora_path`) gets its own cache in the
+    /// engine: requests that differ in one share no block, wherever it stands; the same value
+    /// gives the same chain, `null` reads as absent, the last copy counts, and two members
+    /// swapping their values do not give the chain back. Every API reads them.
+    #[test]
+    fn cache_splitting_members_seed_the_chain() {
+        let c = cfg(16, 4, 64);
+        let messages = r#""messages":[{"role":"system","content":"You are the support agent of a shop."},{"role":"user","content":"Where is my order, please?"}]"#;
+        let plain = chain(&format!(r#"{{"model":"m",{messages}}}"#), Api::Chat, &c);
+        assert!(plain.len() >= 4);
+        let with = |members: &str| {
+            chain(
+                &format!(r#"{{"model":"m",{members},{messages}}}"#),
+                Api::Chat,
+                &c,
+            )
+        };
+        let tenant_a = with(r#""cache_salt":"tenant-a""#);
+        let tenant_b = with(r#""cache_salt":"tenant-b""#);
+        assert!(
+            tenant_a.iter().zip(&plain).all(|(x, y)| x != y),
+            "a salt changes every block"
+        );
+        assert!(
+            tenant_a.iter().zip(&tenant_b).all(|(x, y)| x != y),
+            "another salt, another chain"
+        );
+        let after = chain(
+            &format!(r#"{{"model":"m",{messages},"cache_salt":"tenant-a"}}"#),
+            Api::Chat,
+            &c,
+        );
+        assert_eq!(after, tenant_a, "where the salt stands");
+        assert_eq!(with(r#""cache_salt":null"#), plain, "null is absent");
+        assert_eq!(
+            with(r#""cache_salt":"tenant-b","cache_salt":"tenant-a""#),
+            tenant_a,
+            "the last copy counts"
+        );
+        for member in ["extra_key", "lora_path"] {
+            let one = with(&format!(r#""{member}":"x""#));
+            assert!(one.iter().zip(&plain).all(|(x, y)| x != y), "{member}");
+            assert_ne!(one, with(&format!(r#""{member}":"y""#)), "{member}");
+        }
+        let swapped = [
+            with(r#""cache_salt":"p","extra_key":"q""#),
+            with(r#""cache_salt":"q","extra_key":"p""#),
+        ];
+        assert!(swapped[0].iter().zip(&swapped[1]).all(|(x, y)| x != y));
+        assert!(swapped[0].iter().zip(&plain).all(|(x, y)| x != y));
+        // SGLang's /generate takes the adapter with the text.
+        let generate = |members: &str| {
+            chain(
+                &format!(
+                    r#"{{"text":"You are the support agent of a shop. Where is my order, please?"{members}}}"#
+                ),
+                Api::Generate,
+                &c,
+            )
+        };
+        assert_ne!(generate(r#","lora_path":"adapter-1""#), generate(""));
+        assert_eq!(generate(r#","lora_path":null"#), generate(""));
     }
 
     /// The tool definitions are rendered into the prompt near its start: requests with other

@@ -491,6 +491,48 @@ fn one_task_run_by_agents_with_different_tools_spreads_and_each_keeps_its_rank()
     assert_kept_and_spread("agents with their own tools", &homes, &moved);
 }
 
+/// Sixteen tenants of one application send the same first conversation, each with its own
+/// `cache_salt` (vLLM's and SGLang's per-tenant cache: one tenant never hits another's KV), three
+/// turns each, with the shipped defaults. No tenant can use another's cached prefix, so they
+/// spread by their homes and each keeps its rank (a filter that did not read the salt sent all
+/// 16 to the rank of the first tenant's identical-looking prompt).
+#[test]
+fn tenants_with_their_own_cache_salt_spread_and_each_keeps_its_rank() {
+    const TENANTS: usize = 16;
+    let stack = Stack::start(
+        "prefix_cache_salt",
+        StackOptions::new(support::requests::default_config(json!({}))),
+    );
+    let question = "Summarise the attached quarterly report for the board. ".repeat(40);
+    let mut histories: Vec<Vec<Value>> = (0..TENANTS)
+        .map(|_| {
+            vec![
+                json!({ "role": "system", "content": "You are the assistant of a reporting tool." }),
+                json!({ "role": "user", "content": question }),
+            ]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); TENANTS];
+    for turn in 0..3 {
+        for (t, history) in histories.iter_mut().enumerate() {
+            let request = Request::post("/v1/chat/completions").json(&json!({
+                "model": "mock", "messages": history, "cache_salt": format!("tenant-{t}")
+            }));
+            ranks[t].push(served_rank(&stack.send(&request)));
+            let answer = format!("Tenant {t}'s summary, turn {turn}. ").repeat(8);
+            history.push(json!({ "role": "assistant", "content": answer }));
+            history.push(json!({ "role": "user", "content": format!("Shorter, step {turn}.") }));
+        }
+    }
+    let (homes, moved) = homes_and_moves(&ranks);
+    println!(
+        "{TENANTS} tenants with their own cache_salt: first turns per rank {homes:?}, {} moved: \
+         {moved:?}",
+        moved.len()
+    );
+    assert_kept_and_spread("tenants with their own cache_salt", &homes, &moved);
+}
+
 /// Agent loops on the OpenAI Responses API (`/v1/responses`, as the OpenAI Agents SDK sends them
 /// by default), with the shipped defaults: shared `instructions`, then each session's task, and
 /// per turn the items the server returned (a function call, as the SDK sends it back with its
