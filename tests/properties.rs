@@ -1338,7 +1338,7 @@ fn config_number() -> impl Strategy<Value = J> {
         4 => (0u64..70).prop_map(J::from),
         1 => (-5i64..0).prop_map(J::from),
         1 => select(vec![
-            4096u64, 4097, 65_536, 1 << 24, (1 << 24) + 1, u64::from(u32::MAX),
+            4096u64, 4097, 65_536, 1 << 20, (1 << 20) + 1, 1 << 24, (1 << 24) + 1, u64::from(u32::MAX),
             u64::from(u32::MAX) + 1, u64::MAX,
         ])
         .prop_map(J::from),
@@ -1448,7 +1448,8 @@ fn check_config_result(bytes: &[u8]) {
                 .cluster_names
                 .iter()
                 .all(|n| !n.is_empty() && n.bytes().all(|b| (0x21..0x7f).contains(&b))));
-            assert!((1..=1 << 24).contains(&c.table.buckets));
+            assert!((1..=dp_affinity::config::MAX_BUCKETS).contains(&c.table.buckets));
+            assert!((1..=dp_affinity::config::MAX_BUCKETS).contains(&c.prefix.table.buckets));
             assert!((1..=64).contains(&c.table.ways));
             assert!(c.table.ttl_seconds >= 2 && c.table.cas_retries <= 100);
             // An entry in use is refreshed before it expires.
