@@ -236,12 +236,13 @@ fn unless_null(s: &mut Scanner<'_>) -> Result<Option<(usize, usize)>, ScanError>
 /// The span of the `tools` value at the cursor (raw JSON, any shape), or `None` for `null` or an
 /// empty list: templates render no tools for either (Jinja's `if tools` is false for both).
 fn tool_definitions(s: &mut Scanner<'_>) -> Result<Option<(usize, usize)>, ScanError> {
-    let start = s.i;
-    s.skip_value()?;
-    let raw = bytes(s.b, (start, s.i));
+    let Some(span) = unless_null(s)? else {
+        return Ok(None);
+    };
+    let raw = bytes(s.b, span);
     let inner = raw.strip_prefix(b"[").and_then(|r| r.strip_suffix(b"]"));
-    let empty = raw == b"null" || inner.is_some_and(|i| i.iter().all(u8::is_ascii_whitespace));
-    Ok((!empty).then_some((start, s.i)))
+    let empty = inner.is_some_and(|i| i.iter().all(u8::is_ascii_whitespace));
+    Ok((!empty).then_some(span))
 }
 
 /// Walks a member that is part of `api`'s prompt (`Api::is_prompt_field`). Not inlined: it is
