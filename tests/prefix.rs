@@ -85,6 +85,39 @@ fn homes_and_moves(ranks: &[Vec<u32>]) -> (Vec<usize>, Vec<&Vec<u32>>) {
     (per_rank(ranks.iter().map(|r| r[0])), moved)
 }
 
+/// `conversations` chats opening with the same `system` and `first` messages, three turns each,
+/// every request given the members `extra(c)` too (what sets conversation `c` apart); the rank
+/// of each turn, per conversation.
+fn three_turns_each(
+    stack: &Stack,
+    conversations: usize,
+    system: &str,
+    first: &str,
+    extra: impl Fn(usize) -> Value,
+) -> Vec<Vec<u32>> {
+    let mut histories: Vec<Vec<Value>> = (0..conversations)
+        .map(|_| {
+            vec![
+                json!({ "role": "system", "content": system }),
+                json!({ "role": "user", "content": first }),
+            ]
+        })
+        .collect();
+    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); conversations];
+    for turn in 0..3 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            let mut body = json!({ "model": "mock", "messages": history });
+            support::requests::merge(&mut body, extra(c));
+            let request = Request::post("/v1/chat/completions").json(&body);
+            ranks[c].push(served_rank(&stack.send(&request)));
+            let answer = format!("Conversation {c} went on, turn {turn}. ").repeat(8);
+            history.push(json!({ "role": "assistant", "content": answer }));
+            history.push(json!({ "role": "user", "content": format!("Go on, step {turn}.") }));
+        }
+    }
+    ranks
+}
+
 /// No conversation moved between turns (`moved`, from `homes_and_moves`), and their first turns
 /// went to 3 ranks at least (`homes`: first turns per rank).
 fn assert_kept_and_spread(what: &str, homes: &[usize], moved: &[&Vec<u32>]) {
@@ -456,32 +489,20 @@ fn one_task_run_by_agents_with_different_tools_spreads_and_each_keeps_its_rank()
         StackOptions::new(support::requests::default_config(json!({}))),
     );
     let tools = |a: usize| {
-        json!([{ "type": "function", "function": {
+        json!({ "tools": [{ "type": "function", "function": {
             "name": format!("tool_{a}"),
             "description": format!("Tool number {a}: searches the repository its own way."),
             "parameters": { "type": "object", "properties": { "query": { "type": "string" } } }
-        }}])
+        }}] })
     };
     let task = "Find why the nightly build fails and propose a fix. ".repeat(40);
-    let mut histories: Vec<Vec<Value>> = (0..AGENTS)
-        .map(|_| {
-            vec![
-                json!({ "role": "system", "content": "You are a careful coding agent." }),
-                json!({ "role": "user", "content": task }),
-            ]
-        })
-        .collect();
-    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); AGENTS];
-    for turn in 0..3 {
-        for (a, history) in histories.iter_mut().enumerate() {
-            let request = Request::post("/v1/chat/completions")
-                .json(&json!({ "model": "mock", "messages": history, "tools": tools(a) }));
-            ranks[a].push(served_rank(&stack.send(&request)));
-            let answer = format!("Agent {a} looked at the logs, turn {turn}. ").repeat(8);
-            history.push(json!({ "role": "assistant", "content": answer }));
-            history.push(json!({ "role": "user", "content": format!("Go on, step {turn}.") }));
-        }
-    }
+    let ranks = three_turns_each(
+        &stack,
+        AGENTS,
+        "You are a careful coding agent.",
+        &task,
+        tools,
+    );
     let (homes, moved) = homes_and_moves(&ranks);
     println!(
         "{AGENTS} agents with their own tools on one task: first turns per rank {homes:?}, {} \
@@ -504,26 +525,13 @@ fn tenants_with_their_own_cache_salt_spread_and_each_keeps_its_rank() {
         StackOptions::new(support::requests::default_config(json!({}))),
     );
     let question = "Summarise the attached quarterly report for the board. ".repeat(40);
-    let mut histories: Vec<Vec<Value>> = (0..TENANTS)
-        .map(|_| {
-            vec![
-                json!({ "role": "system", "content": "You are the assistant of a reporting tool." }),
-                json!({ "role": "user", "content": question }),
-            ]
-        })
-        .collect();
-    let mut ranks: Vec<Vec<u32>> = vec![Vec::new(); TENANTS];
-    for turn in 0..3 {
-        for (t, history) in histories.iter_mut().enumerate() {
-            let request = Request::post("/v1/chat/completions").json(&json!({
-                "model": "mock", "messages": history, "cache_salt": format!("tenant-{t}")
-            }));
-            ranks[t].push(served_rank(&stack.send(&request)));
-            let answer = format!("Tenant {t}'s summary, turn {turn}. ").repeat(8);
-            history.push(json!({ "role": "assistant", "content": answer }));
-            history.push(json!({ "role": "user", "content": format!("Shorter, step {turn}.") }));
-        }
-    }
+    let ranks = three_turns_each(
+        &stack,
+        TENANTS,
+        "You are the assistant of a reporting tool.",
+        &question,
+        |t| json!({ "cache_salt": format!("tenant-{t}") }),
+    );
     let (homes, moved) = homes_and_moves(&ranks);
     println!(
         "{TENANTS} tenants with their own cache_salt: first turns per rank {homes:?}, {} moved: \
