@@ -16,7 +16,18 @@
 // context create, request headers (and body), response headers (`:status` 200, `x-dp-rank: 1`)
 // and the answer's body ending the stream (a property is read only for an answer cut short),
 // done, log, delete, as Envoy calls them. Times: 20 rounds after a warm-up, min and median.
+// Last line: a digest of every header and shared-data value the module wrote, in order.
+import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+
+// Every header the module writes and every shared-data value it stores, in order, digested:
+// two builds of the same source (other optimiser passes, say) must print the same digest.
+const written = createHash('sha256');
+let writes = 0;
+function note(what) {
+  written.update(what + '\n');
+  writes++;
+}
 import { argv, hrtime } from 'node:process';
 
 const [wasmPath, mode = 'header', requestsArg = '20000', pluginArg] = argv.slice(2);
@@ -114,7 +125,8 @@ const host = {
     return OK;
   },
   proxy_get_header_map_value: () => (count('get_header_map_value'), NOT_FOUND),
-  proxy_replace_header_map_value: () => (count('replace_header_map_value'), OK),
+  proxy_replace_header_map_value: (type, key, keyLen, value, valueLen) => (
+    count('replace_header_map_value'), note(`header ${text(key, keyLen)}=${text(value, valueLen)}`), OK),
   proxy_add_header_map_value: () => (count('add_header_map_value'), OK),
   proxy_remove_header_map_value: () => (count('remove_header_map_value'), OK),
   proxy_get_shared_data(key, keyLen, ptrOut, sizeOut, casOut) {
@@ -130,7 +142,9 @@ const host = {
     const entry = shared.get(name);
     if (setupDone) count('set_shared_data');
     if (cas !== 0 && entry && entry.cas !== cas) return CAS_MISMATCH;
-    shared.set(name, { value: new Uint8Array(ex.memory.buffer).slice(value, value + valueLen), cas: nextCas++ });
+    const bytes = new Uint8Array(ex.memory.buffer).slice(value, value + valueLen);
+    shared.set(name, { value: bytes, cas: nextCas++ });
+    note(`shared ${name} ${Buffer.from(bytes).toString('hex')}`);
     return OK;
   },
   proxy_get_property: (p, n) => (count('get_property(' + text(p, n).replace(/\0/g, '.') + ')'), NOT_FOUND),
@@ -218,3 +232,4 @@ const measured = sent - before;
 console.log(`${mode}: ${rounds[0].toFixed(0)} ns/request min, ${rounds[10].toFixed(0)} median (20 rounds of ${perRound}; stub host included)`);
 console.log('host calls per request:');
 for (const [name, n] of [...calls].sort()) console.log(`  ${name.padEnd(36)} ${(n / measured).toFixed(3)}`);
+console.log(`writes: ${writes}, digest ${written.digest('hex')}`);
