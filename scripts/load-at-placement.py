@@ -15,6 +15,7 @@ its time to first token; this shows how often each policy does.
 """
 
 import collections
+import heapq
 import json
 import sys
 
@@ -47,14 +48,17 @@ def classify(records):
     timed = send_times(records)
     ranks = 1 + max((r["rank"] for _, _, r in timed), default=0)
     counts, waits = collections.Counter(), collections.Counter()
-    for i, (sent, _, record) in enumerate(timed):
-        inflight = [0] * ranks
-        for _, end, other in timed[:i]:
-            if end > sent:
-                inflight[other["rank"]] += 1
+    # Requests sent earlier and not ended yet, by end time: sends come in order, so one that has
+    # ended before this send has ended before every later one too.
+    running, inflight = [], [0] * ranks
+    for sent, end, record in timed:
+        while running and running[0][0] <= sent:
+            inflight[heapq.heappop(running)[1]] -= 1
         key = (cached_class(record), excess_class(inflight[record["rank"]] - min(inflight)))
         counts[key] += 1
         waits[key] += (record.get("queue_us") or 0) / 1000
+        heapq.heappush(running, (end, record["rank"]))
+        inflight[record["rank"]] += 1
     return {k: (counts[k], waits[k] / counts[k]) for k in counts}
 
 
