@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 FUZZ_JOBS="${FUZZ_JOBS:-1}"
-ALL_TARGETS=(json_scan header_values config table_bucket)
+ALL_TARGETS=(json_scan header_values config table_bucket body_rewrite)
 if [ "$#" -gt 0 ]; then
   TARGETS=("$@")
 else

