@@ -551,12 +551,14 @@ fn type_of(v: &Value) -> &'static str {
 }
 
 /// A short description of a bad value: integers as themselves, everything else by type (no float
-/// formatting code is linked into the .wasm for an error message).
+/// formatting code is linked into the .wasm for an error message). A number that is no `i64` is
+/// a fraction (`4.0` too) or an integer too large for one: described as either, which costs no
+/// code, where telling them apart would cost a few hundred bytes of the module.
 #[inline(never)]
 fn show(v: &Value) -> String {
     match v.as_i64() {
         Some(n) => n.to_string(),
-        None if v.is_number() => "a non-integer number".to_string(),
+        None if v.is_number() => "a number with a fraction or too large".to_string(),
         None => type_of(v).to_string(),
     }
 }
@@ -2149,6 +2151,9 @@ mod tests {
             (r#"{"dp_size":0}"#, "dp_size"),
             (r#"{"dp_size":5000}"#, "dp_size"),
             (r#"{"dp_size":-1}"#, "dp_size"),
+            (r#"{"dp_size":18446744073709551615}"#, "or too large"),
+            (r#"{"dp_size":1e20}"#, "or too large"),
+            (r#"{"dp_size":2.5}"#, "with a fraction"),
             (r#"{"dp_size":4,"bogus":1}"#, "bogus"),
             (r#"{"dp_size":4,"table":{"buckets":0}}"#, "table.buckets"),
             (r#"{"dp_size":4,"table":{"ways":65}}"#, "table.ways"),
