@@ -640,6 +640,22 @@ proptest! {
     }
 }
 
+/// `members` followed by one more occurrence of a member's name per `dups` entry, with its value
+/// (none for an empty object).
+fn with_duplicates(
+    mut members: Vec<(String, Node)>,
+    dups: Vec<(proptest::sample::Index, Node)>,
+) -> Vec<(String, Node)> {
+    for (at, value) in dups {
+        if members.is_empty() {
+            break;
+        }
+        let name = members[at.index(members.len())].0.clone();
+        members.push((name, value));
+    }
+    members
+}
+
 /// The serde value of one generated node (each occurrence of a duplicated member has its own).
 fn node_to_serde(n: &Node) -> J {
     serde_json::from_slice(&Emitter::new(0).document(n)).expect("generated JSON is valid")
@@ -664,10 +680,7 @@ proptest! {
         if members.is_empty() {
             members.push((RANK_FIELDS[0].to_string(), Node::Num("1".into())));
         }
-        for (at, value) in dups {
-            let name = members[at.index(members.len())].0.clone();
-            members.push((name, value));
-        }
+        let members = with_duplicates(members, dups);
         let in_order: Vec<(String, J)> =
             members.iter().map(|(k, v)| (k.clone(), node_to_serde(v))).collect();
         let body = Emitter::new(seed).document(&Node::Obj(members));
@@ -816,14 +829,7 @@ proptest! {
         seed in any::<u64>(),
         edit in edit_case(),
     ) {
-        let mut members = members;
-        for (at, value) in dups {
-            if members.is_empty() {
-                break;
-            }
-            let name = members[at.index(members.len())].0.clone();
-            members.push((name, value));
-        }
+        let members = with_duplicates(members, dups);
         let names: Vec<String> = members.iter().map(|(k, _)| k.clone()).collect();
         let body = Emitter::new(seed).document(&Node::Obj(members));
         check_rewrite_against_serde(&body, &names, &edit);
