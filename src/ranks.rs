@@ -33,7 +33,7 @@
 //! replaced on the next write: corruption costs a few seconds of load view, never a panic.
 
 use crate::clock::plausible_stamp;
-use crate::table::{Store, StoreError};
+use crate::table::{Store, StoreError, NO_KEY_TOKEN};
 
 /// A column stamped more than this many seconds ago is a dead VM's: ignored and removed.
 /// Ticks re-stamp live columns every second; the margin covers a busy worker's late tick and
@@ -912,16 +912,16 @@ impl RankBoard {
 
     /// Creates the key if missing, so later writes are real compare-and-swaps.
     pub fn ensure(&self, store: &dyn Store, now: u32) {
-        if store.get(&self.key).0.is_none() {
-            let _ = store.set(&self.key, &Board::empty(self.dp_size, now).encode(), None);
-        }
+        // Creates the key only if it is missing: no read (which may fail) decides it.
+        let empty = Board::empty(self.dp_size, now).encode();
+        let _ = store.set(&self.key, &empty, Some(NO_KEY_TOKEN));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::tests::MemStore;
+    use crate::table::tests::{values, FailingReads, MemStore};
 
     const RULE: StrikeRule = StrikeRule {
         threshold: 3,
@@ -988,6 +988,28 @@ mod tests {
         b.publish(&s, &mut a, 103);
         assert_eq!(s.get("t/load2/2").1, cas, "an idle VM's tick wrote");
         assert_eq!(seen(&s, &b, 103), [1, 0]);
+    }
+
+    #[test]
+    fn failed_reads_overwrite_no_column() {
+        let (s, b) = board(2, 3);
+        let mut other = LocalLoad::new(2);
+        b.acquire(&s, &mut other, 100, 1, |_| Some(1));
+        b.mark_down(&s, 0, 130, 100);
+        let before = values(&s);
+        let failing = FailingReads(&s);
+        b.ensure(&failing, 101);
+        let mut vm = LocalLoad::new(2);
+        let (rank, ev) = b.acquire(&failing, &mut vm, 101, 1, |_| Some(1));
+        assert_eq!((rank, ev.cas_exhausted), (Some(1), 1));
+        b.release(&failing, &mut vm, 101, 1, true);
+        b.publish(&failing, &mut vm, 102);
+        assert_eq!(values(&s), before, "a failed read let a write through");
+        assert_eq!(seen(&s, &b, 102), [0, 1], "the other VM's column stays");
+        assert!(
+            !b.read(&s, &vm, 102).usable(0, 102),
+            "so does the cool-down"
+        );
     }
 
     #[test]

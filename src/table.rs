@@ -19,8 +19,20 @@
 use crate::clock::plausible_stamp;
 use crate::config_sections::TableConfig;
 
-/// Result of a read from the store: value and its compare-and-swap token.
+/// Result of a read from the store: value and its compare-and-swap token. `(None, None)`: the key
+/// is missing; [`READ_FAILED`]: the store could not read it.
 pub type Stored = (Option<Vec<u8>>, Option<u32>);
+
+/// A compare-and-swap token no key holds (Envoy hands tokens out in turn, this one once every
+/// 2^32 writes): a write with it fails on an existing key and creates a missing one, as a write
+/// with any token does.
+pub const NO_KEY_TOKEN: u32 = u32::MAX;
+
+/// What a store's `get` returns when the host failed the read (not a missing key): no value, and
+/// [`NO_KEY_TOKEN`], so that a write made with it fails as a lost race would instead of
+/// overwriting the key unconditionally (every VM's column of the load board, the other pins of a
+/// bucket).
+pub const READ_FAILED: Stored = (None, Some(NO_KEY_TOKEN));
 
 /// Why a store write failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,7 +254,7 @@ impl AffinityTable {
     /// front (before traffic) means every later write is a real compare-and-swap.
     ///
     /// A marker key written last lets every later VM (each Envoy worker runs its own) skip the
-    /// walk over all buckets: one read instead of `buckets` reads at start-up.
+    /// walk over all buckets: one read instead of a write per bucket at start-up.
     pub fn ensure_buckets(&self, store: &dyn Store) -> u32 {
         let marker = format!("{}/{}/ready", self.cfg.namespace, self.cfg.buckets);
         if store.get(&marker).0.is_some() {
@@ -251,7 +263,8 @@ impl AffinityTable {
         let mut created = 0;
         for idx in 0..self.cfg.buckets {
             let key = self.bucket_key(idx);
-            if store.get(&key).0.is_none() && store.set(&key, &[], None).is_ok() {
+            // Creates the key only if it is missing: no read (which may fail) decides it.
+            if store.set(&key, &[], Some(NO_KEY_TOKEN)).is_ok() {
                 created += 1;
             }
         }
@@ -519,6 +532,31 @@ pub mod tests {
         }
     }
 
+    /// A store whose reads all fail ([`READ_FAILED`]), over `MemStore`'s writes.
+    pub struct FailingReads<'a>(pub &'a MemStore);
+
+    impl Store for FailingReads<'_> {
+        fn get(&self, _key: &str) -> Stored {
+            READ_FAILED
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    /// Every key's value (tokens aside).
+    pub fn values(s: &MemStore) -> Vec<(String, Vec<u8>)> {
+        let mut out: Vec<_> = s
+            .map
+            .borrow()
+            .iter()
+            .map(|(k, (v, _))| (k.clone(), v.clone()))
+            .collect();
+        out.sort();
+        out
+    }
+
     fn table(buckets: u32, ways: u32) -> AffinityTable {
         AffinityTable::new(TableConfig {
             buckets,
@@ -642,6 +680,25 @@ pub mod tests {
         assert_eq!(t.lookup(&s, last, 2000, 4), Lookup::Hit { rank: 3 });
         let first = hasher.hash(b"key-0");
         assert_eq!(t.lookup(&s, first, 2000, 4), Lookup::Miss);
+    }
+
+    #[test]
+    fn failed_reads_overwrite_nothing() {
+        let (s, t) = (MemStore::default(), table(2, 4));
+        t.ensure_buckets(&s);
+        for hash in 1..=3u64 {
+            t.pin(&s, hash << 33, hash as u32, 10);
+        }
+        let before = values(&s);
+        let failing = FailingReads(&s);
+        // A fresh table over the same keys walks its buckets again (its marker cannot be read).
+        t.ensure_buckets(&failing);
+        assert_eq!(t.lookup(&failing, 1 << 33, 11, 4), Lookup::Miss);
+        let pinned = t.pin(&failing, 7 << 33, 3, 11);
+        assert_eq!(pinned.cas_exhausted, 1, "{pinned:?}");
+        assert!(!t.unpin(&failing, 1 << 33, 1).0);
+        assert_eq!(values(&s), before, "a failed read let a write through");
+        assert_eq!(t.lookup(&s, 1 << 33, 11, 4), Lookup::Hit { rank: 1 });
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::placement::{plan, Facts, KeyFacts, PrefixChoice, Tag, Target};
 use crate::prefix_index::{Anchor, CountingStore, Kept, Match, PrefixIndex};
 use crate::prompt::Api;
 use crate::ranks::{BoardEvents, LocalLoad, RankBoard, RankLoad, RankStates};
-use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents};
+use crate::table::{AffinityTable, Store, StoreError, Stored, TableEvents, READ_FAILED};
 use crate::target::{engine_parses_as_json, EngineTarget};
 use abi::{HeaderMap, REQUEST_HEADERS, RESPONSE_HEADERS};
 
@@ -40,7 +40,7 @@ struct SharedData;
 
 impl Store for SharedData {
     fn get(&self, key: &str) -> Stored {
-        abi::shared_get(key).unwrap_or((None, None))
+        abi::shared_get(key).unwrap_or(READ_FAILED)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
@@ -917,12 +917,13 @@ impl Filter {
             &[("content-type", "application/json")],
             body.as_bytes(),
         );
+        // Without the answer the request still must not go on with rank fields the client may
+        // not send: it waits paused until Envoy's own timers end it.
         if let Err(e) = sent {
             warn!(
-                "[{}] cannot send the {status} answer: status {}",
+                "[{}] cannot send the {status} answer (status {}): the request stays paused",
                 self.id, e.0
             );
-            return Action::Continue;
         }
         Action::Pause
     }
