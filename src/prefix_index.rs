@@ -408,8 +408,13 @@ impl PrefixIndex {
                     .pin_tagged(store, h, rank, written_tag, near_end, now);
                 events.add(pinned);
                 // A write lost to a race recorded nothing: the prompt did not go on past the
-                // match as far as the index knows, so the match must not become branched.
-                wrote |= pinned.cas_exhausted == 0;
+                // match as far as the index knows, so the match must not become branched. Nor
+                // does the prompt go on past the lost position: writing above it would leave a
+                // hole, where the search below would stop short for every prompt sharing it.
+                if pinned.cas_exhausted > 0 {
+                    break;
+                }
+                wrote = true;
             }
         }
         (events, wrote)
@@ -1332,6 +1337,25 @@ mod tests {
         counted.writes.set(0);
         idx.record(&counted, &conv, 1, now, &m);
         assert_eq!(counted.writes.get(), 0);
+    }
+
+    #[test]
+    fn a_write_lost_to_races_ends_the_record_there() {
+        let (s, cfg) = (MemStore::default(), index_cfg(64, 16));
+        let idx = PrefixIndex::new(&cfg);
+        idx.table().ensure_buckets(&s);
+        let conv = random_chain(3, 40, &[], 0);
+        let m = idx.longest_match(&s, &conv, 1000, 4);
+        // Every attempt of the first (bottom) write loses; the writes above it would not.
+        s.lose_races.set(cfg.table.cas_retries + 1);
+        let (events, wrote) = idx.record_positions(&s, &conv, 2, 1000, &m, None);
+        assert_eq!((events.cas_exhausted, wrote), (1, false));
+        // Nothing above the lost position was written: no hole for a search to stop at.
+        let after = idx.longest_match(&s, &conv, 1001, 4);
+        assert_eq!((after.blocks, after.rank), (0, None), "{after:?}");
+        let (_, wrote) = idx.record_positions(&s, &conv, 2, 1002, &m, None);
+        assert!(wrote);
+        assert_eq!(idx.longest_match(&s, &conv, 1003, 4).blocks, 40);
     }
 
     #[test]
