@@ -277,14 +277,14 @@ fn unshared_tag(name: u64) -> Tag {
 /// <that trace>`, 4 ranks): 0.752 × oracle and TTFB p90 2.9 s with the pin deciding, against
 /// 0.999 × and 0.6 s without the key. Two signs, either enough:
 ///
-/// - its own history (an unbranched match where an earlier prompt ended: its previous turn's
-///   end) is indexed on a rank other than the pin that does not hold it too (a turn the pin
-///   moved to another rank records the matched position's new holder, so a conversation moved
-///   off a full rank is not sent back). Ranks from 13 on have no holder flag: there the pin
-///   decides. An unbranched match no prompt ended at is a position inside someone's prompt that
-///   the search stopped at because a deeper one was lost (evicted, or its write given up): not
-///   known to be this conversation's, so the pin decides — else a hole in a shared system
-///   prompt's entries would move every keyed conversation behind it off its pin;
+/// - its own history (an unbranched match) is indexed on a rank other than the pin that does
+///   not hold it too (a turn the pin moved to another rank records the matched position's new
+///   holder, so a conversation moved off a full rank is not sent back). Ranks from 13 on have
+///   no holder flag: there the pin decides. A position inside a shared prompt where the search
+///   stopped because a deeper entry was lost (evicted, expired) reads the same and overrules
+///   the pin too; requiring the match to be where an earlier prompt ended would keep such pins
+///   but also every new conversation of a shared key on its pin (kv trace, one key: max/mean
+///   prompt tokens 1.23 → 1.29, BENCHMARKS.md), so it is not done;
 /// - it has nothing of its own indexed, and its conversation's tag (`tag`, see
 ///   [`conversation_tags`]) differs from the one stored with the pin, taken past a shared prefix
 ///   of the same depth or matched on another rank than the pin's: another conversation wrote
@@ -299,8 +299,7 @@ fn pin_overruled(key: KeyFacts, matched: Option<&Match>, tag: Tag) -> bool {
     };
     if m.blocks > 0 && !m.branched {
         let pin_flag = table::holder_flag(pin);
-        return (m.ended || m.continued)
-            && pin_flag != 0
+        return pin_flag != 0
             && m.holders & pin_flag == 0
             && m.rank.is_some_and(|rank| rank != pin);
     }
@@ -1396,10 +1395,7 @@ mod tests {
                 tag: 0,
                 depth: 0,
             }),
-            matched: Some(Match {
-                ended: true,
-                ..matched(40, history)
-            }),
+            matched: Some(matched(40, history)),
             anchor: Some(anchor),
             chain_blocks: 60,
             anchor_kept: Kept::Yes,
@@ -1432,14 +1428,9 @@ mod tests {
             branched: true,
             ..matched(blocks, rank)
         };
-        // A previous turn's end: what a conversation's next turn matches.
-        let history = |blocks, rank| Match {
-            ended: true,
-            ..matched(blocks, rank)
-        };
         let history_held_by_pin = Match {
             holders: table::holder_flag(other),
-            ..history(40, third)
+            ..matched(40, third)
         };
         let pinned_to = |rank, write_pin| Target::Pinned {
             hash: 77,
@@ -1476,19 +1467,10 @@ mod tests {
             (
                 "its own history on another rank: the history decides, the pin stays",
                 pin(Some(other), tag),
-                Some(history(40, third)),
+                Some(matched(40, third)),
                 60,
                 pinned_to(third, false),
                 [Some(KeyOverruled), None, None],
-            ),
-            (
-                "a position inside a prompt on another rank, neither its end nor continued (the \
-                 search stopped below a lost entry): not known to be its own, the pin decides",
-                pin(Some(other), tag),
-                Some(matched(6, third)),
-                60,
-                pinned_to(other, false),
-                [Some(AffinityHit), None, None],
             ),
             (
                 "its own history elsewhere, but the pin's rank holds it too (the key moved there)",
