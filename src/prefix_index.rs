@@ -1075,14 +1075,15 @@ mod tests {
         let b = random_chain(20, 13, &system, 8);
         let m = idx.longest_match(&s, &b, 1000, 4);
         assert_eq!((m.blocks, m.branched), (8, false));
-        // The deeper positions' writes (fine 9 and 10 past the grid match, grid 12) lose every
-        // race (their retries included); the store would take the mark that follows.
+        // The first deeper position's write (fine 9 past the grid match) loses every race (its
+        // retries included), which ends the record there; the store would take the writes above
+        // it (fine 10, grid 12) and the mark that follows.
         let mut cfg = index_cfg(64, 16);
         cfg.table.cas_retries = 2;
         let idx = PrefixIndex::new(&cfg);
-        s.lose_races.set(9);
+        s.lose_races.set(3);
         let events = idx.record(&s, &b, 0, 1000, &m);
-        assert_eq!((events.cas_exhausted, s.lose_races.get()), (3, 0));
+        assert_eq!((events.cas_exhausted, s.lose_races.get()), (1, 0));
         let again = idx.longest_match(&s, &b, 1000, 4);
         assert_eq!((again.blocks, again.branched), (8, false));
     }
