@@ -691,7 +691,7 @@ pub mod tests {
         }
         let before = values(&s);
         let failing = FailingReads(&s);
-        // A fresh table over the same keys walks its buckets again (its marker cannot be read).
+        // The marker cannot be read: the walk over the buckets runs again, creating none.
         t.ensure_buckets(&failing);
         assert_eq!(t.lookup(&failing, 1 << 33, 11, 4), Lookup::Miss);
         let pinned = t.pin(&failing, 7 << 33, 3, 11);
