@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::mem;
 
 use serde_json::Value;
 
@@ -249,112 +250,125 @@ impl Default for RawPrefix {
 
 fn read_raw(v: &Value) -> Result<RawConfig, ConfigError> {
     let mut raw = RawConfig::default();
-    let top = [
-        "dp_size",
-        "assign",
-        "explicit_rank",
-        "routing_key",
-        "body",
-        "target",
-        "learn",
-        "echo_header",
-        "table",
-        "prefix",
-    ];
-    fields("", v, &top, |name, path, v| {
-        match name {
-            "dp_size" => raw.dp_size = Some(as_u32(path, v)?),
-            "assign" => read_assign(path, v, &mut raw.assign)?,
-            "explicit_rank" => read_explicit(path, v, &mut raw.explicit_rank)?,
-            "routing_key" => read_key(path, v, &mut raw.routing_key)?,
-            "body" => read_body(path, v, &mut raw.body)?,
-            "target" => read_target(path, v, &mut raw.target)?,
-            "learn" => read_learn(path, v, &mut raw.learn)?,
-            "echo_header" => raw.echo_header = Some(as_string(path, v)?),
-            "prefix" => read_prefix(path, v, &mut raw.prefix)?,
-            _ => read_table(path, v, &mut raw.table)?,
-        }
-        Ok(())
-    })?;
+    let r = &mut raw;
+    fields(
+        "",
+        v,
+        &mut [
+            ("dp_size", Slot::SomeU32(&mut r.dp_size)),
+            (
+                "assign",
+                Slot::With(&mut |path, v| read_assign(path, v, &mut r.assign)),
+            ),
+            (
+                "explicit_rank",
+                Slot::With(&mut |path, v| read_explicit(path, v, &mut r.explicit_rank)),
+            ),
+            (
+                "routing_key",
+                Slot::With(&mut |path, v| read_key(path, v, &mut r.routing_key)),
+            ),
+            (
+                "body",
+                Slot::With(&mut |path, v| read_body(path, v, &mut r.body)),
+            ),
+            (
+                "target",
+                Slot::With(&mut |path, v| read_target(path, v, &mut r.target)),
+            ),
+            (
+                "learn",
+                Slot::With(&mut |path, v| read_learn(path, v, &mut r.learn)),
+            ),
+            ("echo_header", Slot::SomeStr(&mut r.echo_header)),
+            (
+                "table",
+                Slot::With(&mut |path, v| read_table(path, v, &mut r.table)),
+            ),
+            (
+                "prefix",
+                Slot::With(&mut |path, v| read_prefix(path, v, &mut r.prefix)),
+            ),
+        ],
+    )?;
     Ok(raw)
 }
 
 fn read_explicit(path: &str, v: &Value, r: &mut RawExplicitRank) -> Result<(), ConfigError> {
-    let names = [
-        "enabled",
-        "header",
-        "body_fields",
-        "on_invalid",
-        "trusted_header",
-        "trusted_secret",
-    ];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "enabled" => r.enabled = as_bool(path, v)?,
-            "trusted_header" => r.trusted_header = as_string(path, v)?,
-            "trusted_secret" => r.trusted_secret = as_string(path, v)?,
-            "header" => r.header = as_string(path, v)?,
-            "body_fields" => r.body_fields = as_string_list(path, v)?,
-            _ => {
-                r.on_invalid = match as_string(path, v)?.as_str() {
-                    "reject" => OnInvalid::Reject,
-                    "ignore" => OnInvalid::Ignore,
-                    other => {
-                        return Err(err(
-                            path,
-                            format!("must be \"reject\" or \"ignore\", got {other:?}"),
-                        ))
-                    }
-                }
-            }
-        }
-        Ok(())
-    })
+    let on_invalid = &mut r.on_invalid;
+    fields(
+        path,
+        v,
+        &mut [
+            ("enabled", Slot::Bool(&mut r.enabled)),
+            ("header", Slot::Str(&mut r.header)),
+            ("body_fields", Slot::List(&mut r.body_fields)),
+            (
+                "on_invalid",
+                Slot::With(&mut |path, v| {
+                    *on_invalid = match as_string(path, v)?.as_str() {
+                        "reject" => OnInvalid::Reject,
+                        "ignore" => OnInvalid::Ignore,
+                        other => {
+                            return Err(err(
+                                path,
+                                format!("must be \"reject\" or \"ignore\", got {other:?}"),
+                            ))
+                        }
+                    };
+                    Ok(())
+                }),
+            ),
+            ("trusted_header", Slot::Str(&mut r.trusted_header)),
+            ("trusted_secret", Slot::Str(&mut r.trusted_secret)),
+        ],
+    )
 }
 
 fn read_key(path: &str, v: &Value, r: &mut RawRoutingKey) -> Result<(), ConfigError> {
-    let names = ["headers", "body_fields", "max_bytes", "hash_seed"];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "headers" => r.headers = as_string_list(path, v)?,
-            "body_fields" => r.body_fields = as_string_list(path, v)?,
-            "max_bytes" => r.max_bytes = as_usize(path, v)?,
-            _ => r.hash_seed = as_string(path, v)?,
-        }
-        Ok(())
-    })
+    fields(
+        path,
+        v,
+        &mut [
+            ("headers", Slot::List(&mut r.headers)),
+            ("body_fields", Slot::List(&mut r.body_fields)),
+            ("max_bytes", Slot::Usize(&mut r.max_bytes)),
+            ("hash_seed", Slot::Str(&mut r.hash_seed)),
+        ],
+    )
 }
 
 fn read_body(path: &str, v: &Value, r: &mut RawBody) -> Result<(), ConfigError> {
-    fields(path, v, &["max_bytes", "content_types"], |name, path, v| {
-        match name {
-            "max_bytes" => r.max_bytes = as_usize(path, v)?,
-            _ => r.content_types = as_string_list(path, v)?,
-        }
-        Ok(())
-    })
+    fields(
+        path,
+        v,
+        &mut [
+            ("max_bytes", Slot::Usize(&mut r.max_bytes)),
+            ("content_types", Slot::List(&mut r.content_types)),
+        ],
+    )
 }
 
 fn read_target(path: &str, v: &Value, r: &mut RawTarget) -> Result<(), ConfigError> {
-    let names = [
-        "mode",
-        "cluster_header",
-        "cluster_template",
-        "engine_header",
-        "engine",
-        "paths",
-    ];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "mode" => r.mode = as_string(path, v)?,
-            "cluster_header" => r.cluster_header = as_string(path, v)?,
-            "cluster_template" => r.cluster_template = as_string(path, v)?,
-            "engine" => r.engine = as_string(path, v)?,
-            "paths" => r.paths = Some(read_paths(path, v)?),
-            _ => r.engine_header = Some(as_string(path, v)?),
-        }
-        Ok(())
-    })
+    let paths = &mut r.paths;
+    fields(
+        path,
+        v,
+        &mut [
+            ("mode", Slot::Str(&mut r.mode)),
+            ("cluster_header", Slot::Str(&mut r.cluster_header)),
+            ("cluster_template", Slot::Str(&mut r.cluster_template)),
+            ("engine_header", Slot::SomeStr(&mut r.engine_header)),
+            ("engine", Slot::Str(&mut r.engine)),
+            (
+                "paths",
+                Slot::With(&mut |path, v| {
+                    *paths = Some(read_paths(path, v)?);
+                    Ok(())
+                }),
+            ),
+        ],
+    )
 }
 
 /// The header `engine_header` mode sets when `target.engine_header` is not given.
@@ -367,146 +381,129 @@ fn read_paths(path: &str, v: &Value) -> Result<Vec<RawPathTarget>, ConfigError> 
             format!("expected a list of objects, got {}", type_of(v)),
         ));
     };
-    let names = ["prefix", "header", "body_fields"];
     let mut out = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let mut entry = RawPathTarget::default();
-        fields(&format!("{path}[{i}]"), item, &names, |name, path, v| {
-            match name {
-                "prefix" => entry.prefix = as_string(path, v)?,
-                "header" => entry.header = as_string(path, v)?,
-                _ => entry.body_fields = as_string_list(path, v)?,
-            }
-            Ok(())
-        })?;
+        fields(
+            &format!("{path}[{i}]"),
+            item,
+            &mut [
+                ("prefix", Slot::Str(&mut entry.prefix)),
+                ("header", Slot::Str(&mut entry.header)),
+                ("body_fields", Slot::List(&mut entry.body_fields)),
+            ],
+        )?;
         out.push(entry);
     }
     Ok(out)
 }
 
 fn read_assign(path: &str, v: &Value, r: &mut RawAssign) -> Result<(), ConfigError> {
-    let names = [
-        "mode",
-        "seed",
-        "load_factor",
-        "pinned_load_factor",
-        "min_capacity",
-        "cooldown_seconds",
-        "failure_threshold",
-        "failure_window_seconds",
-        "room_field",
-    ];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "mode" => r.mode = as_string(path, v)?,
-            "seed" => r.seed = as_string(path, v)?,
-            "load_factor" => r.load_factor = as_f64(path, v)?,
-            "pinned_load_factor" => r.pinned_load_factor = as_f64(path, v)?,
-            "min_capacity" => r.min_capacity = as_u32(path, v)?,
-            "cooldown_seconds" => r.cooldown_seconds = as_u32(path, v)?,
-            "failure_threshold" => r.failure_threshold = as_u32(path, v)?,
-            "failure_window_seconds" => r.failure_window_seconds = as_u32(path, v)?,
-            _ => r.room_field = as_string(path, v)?,
-        }
-        Ok(())
-    })
+    fields(
+        path,
+        v,
+        &mut [
+            ("mode", Slot::Str(&mut r.mode)),
+            ("seed", Slot::Str(&mut r.seed)),
+            ("load_factor", Slot::F64(&mut r.load_factor)),
+            ("pinned_load_factor", Slot::F64(&mut r.pinned_load_factor)),
+            ("min_capacity", Slot::U32(&mut r.min_capacity)),
+            ("cooldown_seconds", Slot::U32(&mut r.cooldown_seconds)),
+            ("failure_threshold", Slot::U32(&mut r.failure_threshold)),
+            (
+                "failure_window_seconds",
+                Slot::U32(&mut r.failure_window_seconds),
+            ),
+            ("room_field", Slot::Str(&mut r.room_field)),
+        ],
+    )
 }
 
 fn read_learn(path: &str, v: &Value, r: &mut RawLearn) -> Result<(), ConfigError> {
-    let names = ["response_header", "upstream_addresses"];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "response_header" => r.response_header = as_string(path, v)?,
-            _ => {
-                let mut map = HashMap::new();
-                let Value::Object(obj) = v else {
-                    return Err(err(path, "expected an object of \"address:port\": rank"));
-                };
-                for (addr, rank) in obj {
-                    map.insert(addr.clone(), as_u32(&format!("{path}[{addr:?}]"), rank)?);
-                }
-                r.upstream_addresses = map;
-            }
-        }
-        Ok(())
-    })
+    let addresses = &mut r.upstream_addresses;
+    fields(
+        path,
+        v,
+        &mut [
+            ("response_header", Slot::Str(&mut r.response_header)),
+            (
+                "upstream_addresses",
+                Slot::With(&mut |path, v| {
+                    let mut map = HashMap::new();
+                    let Value::Object(obj) = v else {
+                        return Err(err(path, "expected an object of \"address:port\": rank"));
+                    };
+                    for (addr, rank) in obj {
+                        map.insert(addr.clone(), as_u32(&format!("{path}[{addr:?}]"), rank)?);
+                    }
+                    *addresses = map;
+                    Ok(())
+                }),
+            ),
+        ],
+    )
 }
 
 fn read_table(path: &str, v: &Value, r: &mut RawTable) -> Result<(), ConfigError> {
-    let names = [
-        "buckets",
-        "ways",
-        "ttl_seconds",
-        "refresh_seconds",
-        "cas_retries",
-        "namespace",
-    ];
-    fields(path, v, &names, |name, path, v| {
-        match name {
-            "buckets" => r.buckets = as_u32(path, v)?,
-            "ways" => r.ways = as_u32(path, v)?,
-            "ttl_seconds" => r.ttl_seconds = as_u32(path, v)?,
-            "refresh_seconds" => r.refresh_seconds = as_u32(path, v)?,
-            "cas_retries" => r.cas_retries = as_u32(path, v)?,
-            _ => r.namespace = as_string(path, v)?,
-        }
-        Ok(())
-    })
+    fields(
+        path,
+        v,
+        &mut [
+            ("buckets", Slot::U32(&mut r.buckets)),
+            ("ways", Slot::U32(&mut r.ways)),
+            ("ttl_seconds", Slot::U32(&mut r.ttl_seconds)),
+            ("refresh_seconds", Slot::U32(&mut r.refresh_seconds)),
+            ("cas_retries", Slot::U32(&mut r.cas_retries)),
+            ("namespace", Slot::Str(&mut r.namespace)),
+        ],
+    )
 }
 
 fn read_prefix(path: &str, v: &Value, r: &mut RawPrefix) -> Result<(), ConfigError> {
-    let names = [
-        "enabled",
-        "block_bytes",
-        "block_tokens",
-        "max_blocks",
-        "min_match_blocks",
-        "sticky_blocks",
-        "shared_slack",
-        "load_blocks",
-        "home_blocks",
-        "grid_bits",
-        "table",
-    ];
-    fields(path, v, &names, |name, path, v| {
-        let k = &mut r.knobs;
-        match name {
-            "enabled" => k.enabled = as_bool(path, v)?,
-            "block_bytes" => k.block_bytes = as_u32(path, v)?,
-            "block_tokens" => k.block_tokens = as_u32(path, v)?,
-            "max_blocks" => k.max_blocks = as_u32(path, v)?,
-            "min_match_blocks" => k.min_match_blocks = as_u32(path, v)?,
-            "sticky_blocks" => k.sticky_blocks = as_u32(path, v)?,
-            "shared_slack" => k.shared_slack = as_u32(path, v)?,
-            "load_blocks" => k.load_blocks = as_u32(path, v)?,
-            "home_blocks" => k.home_blocks = as_u32(path, v)?,
-            "grid_bits" => k.grid_bits = as_u32(path, v)?,
-            _ => read_table(path, v, &mut r.table)?,
-        }
-        Ok(())
-    })
+    let k = &mut r.knobs;
+    let table = &mut r.table;
+    fields(
+        path,
+        v,
+        &mut [
+            ("enabled", Slot::Bool(&mut k.enabled)),
+            ("block_bytes", Slot::U32(&mut k.block_bytes)),
+            ("block_tokens", Slot::U32(&mut k.block_tokens)),
+            ("max_blocks", Slot::U32(&mut k.max_blocks)),
+            ("min_match_blocks", Slot::U32(&mut k.min_match_blocks)),
+            ("sticky_blocks", Slot::U32(&mut k.sticky_blocks)),
+            ("shared_slack", Slot::U32(&mut k.shared_slack)),
+            ("load_blocks", Slot::U32(&mut k.load_blocks)),
+            ("home_blocks", Slot::U32(&mut k.home_blocks)),
+            ("grid_bits", Slot::U32(&mut k.grid_bits)),
+            (
+                "table",
+                Slot::With(&mut |path, v| read_table(path, v, table)),
+            ),
+        ],
+    )
 }
 
-/// Calls `f(name, full_path, value)` for every member of the object at `path`, after checking
-/// that `v` is an object and every name is one of `allowed`.
-fn fields(
-    path: &str,
-    v: &Value,
-    allowed: &[&str],
-    mut f: impl FnMut(&str, &str, &Value) -> Result<(), ConfigError>,
-) -> Result<(), ConfigError> {
-    each_field(path, v, allowed, &mut f)
+/// Where one member's value goes; the kind says how the value is read (and what a wrong one's
+/// error says).
+enum Slot<'a> {
+    Bool(&'a mut bool),
+    U32(&'a mut u32),
+    SomeU32(&'a mut Option<u32>),
+    Usize(&'a mut usize),
+    F64(&'a mut f64),
+    Str(&'a mut String),
+    SomeStr(&'a mut Option<String>),
+    List(&'a mut Vec<String>),
+    /// Read by its own code (a section, a map, an enumeration).
+    With(&'a mut dyn FnMut(&str, &Value) -> Result<(), ConfigError>),
 }
 
-/// `fields` compiled once: every section's walk goes through this one copy (cold code, kept out of
-/// the .wasm's size), only the per-section closures differ.
+/// Reads every member of the object at `path` into the slot named like it, after checking that
+/// `v` is an object and every name is one of the slots'. Table-driven rather than one `match` per
+/// section: the readers are cold code, and this one loop is all the .wasm carries of them.
 #[inline(never)]
-fn each_field(
-    path: &str,
-    v: &Value,
-    allowed: &[&str],
-    f: &mut dyn FnMut(&str, &str, &Value) -> Result<(), ConfigError>,
-) -> Result<(), ConfigError> {
+fn fields(path: &str, v: &Value, slots: &mut [(&str, Slot)]) -> Result<(), ConfigError> {
     let here = if path.is_empty() {
         "configuration"
     } else {
@@ -527,13 +524,25 @@ fn each_field(
         } else {
             format!("{path}.{shown}")
         };
-        if !allowed.contains(&name.as_str()) {
+        let Some((_, slot)) = slots.iter_mut().find(|(n, _)| *n == name.as_str()) else {
+            let allowed: Vec<&str> = slots.iter().map(|(n, _)| *n).collect();
             return Err(err(
                 &full,
                 format!("unknown field; expected one of: {}", allowed.join(", ")),
             ));
+        };
+        let (p, v) = (full.as_str(), value);
+        match slot {
+            Slot::Bool(x) => **x = as_bool(p, v)?,
+            Slot::U32(x) => **x = as_u32(p, v)?,
+            Slot::SomeU32(x) => **x = Some(as_u32(p, v)?),
+            Slot::Usize(x) => **x = as_usize(p, v)?,
+            Slot::F64(x) => **x = as_f64(p, v)?,
+            Slot::Str(x) => **x = as_string(p, v)?,
+            Slot::SomeStr(x) => **x = Some(as_string(p, v)?),
+            Slot::List(x) => **x = as_string_list(p, v)?,
+            Slot::With(read) => read(p, v)?,
         }
-        f(name, &full, value)?;
     }
     Ok(())
 }
@@ -834,8 +843,10 @@ impl Config {
                 ),
             ));
         }
-        let raw = read_raw(&v)?;
-        compile(raw)
+        // Compiled from a borrow: the raw shape is dropped here once, not on each of the
+        // validation's error returns.
+        let mut raw = read_raw(&v)?;
+        compile(&mut raw)
     }
 
     /// What is valid but probably not what the operator wants, one log line each (the host logs
@@ -865,7 +876,7 @@ impl Config {
     }
 }
 
-fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+fn compile(raw: &mut RawConfig) -> Result<Config, ConfigError> {
     let dp_size = raw
         .dp_size
         .ok_or_else(|| err("dp_size", "is required (number of data-parallel ranks)"))?;
@@ -875,17 +886,17 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             format!("must be in 1..={MAX_DP_SIZE}, got {dp_size}"),
         ));
     }
-    let explicit = compile_explicit(raw.explicit_rank)?;
+    let explicit = compile_explicit(&mut raw.explicit_rank)?;
     // The prompt-chain keys derive from the routing-key seed: one secret to set, and changing it
     // forgets pins and indexed prefixes alike.
     let prefix_hasher = PrefixHasher::new(raw.routing_key.hash_seed.as_bytes());
-    let key = compile_key(raw.routing_key)?;
-    let assign = compile_assign(raw.assign)?;
-    let body = compile_body(raw.body, &explicit, &key, &assign)?;
-    let (target, cluster_header, cluster_names) = compile_target(raw.target, dp_size)?;
+    let key = compile_key(&mut raw.routing_key)?;
+    let assign = compile_assign(&mut raw.assign)?;
+    let body = compile_body(&raw.body, &explicit, &key, &assign)?;
+    let (target, cluster_header, cluster_names) = compile_target(&mut raw.target, dp_size)?;
     check_request_header_roles(&explicit, &key, &cluster_header, &target)?;
     check_target_body_fields(&target, &key, &assign)?;
-    let learn = compile_learn(raw.learn, dp_size)?;
+    let learn = compile_learn(&mut raw.learn, dp_size)?;
     // Envoy's balancer places every new key; the filter pins the rank it learns from the
     // answer. With nothing to learn it from, no key would ever be pinned.
     if assign.mode == Mode::Envoy
@@ -900,8 +911,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     }
     let echo = raw.echo_header.as_deref().unwrap_or(DEFAULT_ECHO_HEADER);
     let echo_header = optional_header("echo_header", echo)?;
-    let table = compile_table("table", raw.table)?;
-    let prefix = compile_prefix(raw.prefix, &table)?;
+    let table = compile_table("table", &mut raw.table)?;
+    let prefix = compile_prefix(&mut raw.prefix, &table)?;
     // Without the filter's own load view a popular prefix would send every request to the rank
     // that computed it first: prefix placement needs an assigner that counts load.
     if prefix.enabled && assign.mode == Mode::Envoy {
@@ -947,12 +958,12 @@ fn trusted_secret(secret: String) -> Result<Vec<u8>, ConfigError> {
     Ok(secret.into_bytes())
 }
 
-fn compile_explicit(raw: RawExplicitRank) -> Result<ExplicitRankConfig, ConfigError> {
+fn compile_explicit(raw: &mut RawExplicitRank) -> Result<ExplicitRankConfig, ConfigError> {
     let trust = match (raw.trusted_header.is_empty(), raw.trusted_secret.is_empty()) {
         (true, true) => None,
         (false, false) => Some(Trust {
             header: header_name("explicit_rank.trusted_header", &raw.trusted_header)?,
-            secret: trusted_secret(raw.trusted_secret)?,
+            secret: trusted_secret(mem::take(&mut raw.trusted_secret))?,
         }),
         (true, false) => {
             return Err(err(
@@ -970,13 +981,13 @@ fn compile_explicit(raw: RawExplicitRank) -> Result<ExplicitRankConfig, ConfigEr
     Ok(ExplicitRankConfig {
         enabled: raw.enabled,
         header: header_name("explicit_rank.header", &raw.header)?,
-        body_fields: field_names("explicit_rank.body_fields", raw.body_fields)?,
+        body_fields: field_names("explicit_rank.body_fields", mem::take(&mut raw.body_fields))?,
         on_invalid: raw.on_invalid,
         trust,
     })
 }
 
-fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
+fn compile_key(raw: &mut RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
     let headers = raw
         .headers
         .iter()
@@ -987,7 +998,7 @@ fn compile_key(raw: RawRoutingKey) -> Result<RoutingKeyConfig, ConfigError> {
     }
     Ok(RoutingKeyConfig {
         headers,
-        body_fields: field_names("routing_key.body_fields", raw.body_fields)?,
+        body_fields: field_names("routing_key.body_fields", mem::take(&mut raw.body_fields))?,
         max_bytes: raw.max_bytes,
         hasher: KeyedHasher::from_seed(raw.hash_seed.as_bytes()),
         seeded: !raw.hash_seed.is_empty(),
@@ -1008,7 +1019,7 @@ fn pinned_floor(min_capacity: u32, load_factor: f64, pinned_load_factor: f64) ->
     }
 }
 
-fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
+fn compile_assign(raw: &mut RawAssign) -> Result<AssignConfig, ConfigError> {
     let mode = match raw.mode.as_str() {
         "envoy" => Mode::Envoy,
         "hash" => Mode::Hash,
@@ -1063,12 +1074,12 @@ fn compile_assign(raw: RawAssign) -> Result<AssignConfig, ConfigError> {
         cooldown_seconds: raw.cooldown_seconds,
         failure_threshold: raw.failure_threshold,
         failure_window_seconds: raw.failure_window_seconds,
-        room_field: raw.room_field,
+        room_field: mem::take(&mut raw.room_field),
     })
 }
 
 fn compile_body(
-    raw: RawBody,
+    raw: &RawBody,
     explicit: &ExplicitRankConfig,
     key: &RoutingKeyConfig,
     assign: &AssignConfig,
@@ -1122,7 +1133,7 @@ fn compile_body(
 }
 
 fn compile_target(
-    raw: RawTarget,
+    raw: &mut RawTarget,
     dp_size: u32,
 ) -> Result<(TargetMode, String, Vec<String>), ConfigError> {
     if raw.mode != "engine" && (!raw.engine.is_empty() || raw.paths.is_some()) {
@@ -1149,7 +1160,7 @@ fn compile_target(
     let mode = match raw.mode.as_str() {
         "cluster" => TargetMode::Cluster,
         "engine_header" => TargetMode::Engine(EngineTarget::one_header(&engine_header)),
-        "engine" => TargetMode::Engine(compile_engine_paths(&raw.engine, raw.paths)?),
+        "engine" => TargetMode::Engine(compile_engine_paths(&raw.engine, raw.paths.as_mut())?),
         other => {
             return Err(err(
                 "target.mode",
@@ -1198,7 +1209,7 @@ fn with_rank(template: &str, rank: u32) -> String {
 /// `target.mode: engine`: a preset (`target.engine`) or an explicit list (`target.paths`).
 fn compile_engine_paths(
     engine: &str,
-    paths: Option<Vec<RawPathTarget>>,
+    paths: Option<&mut Vec<RawPathTarget>>,
 ) -> Result<EngineTarget, ConfigError> {
     match (engine.is_empty(), paths) {
         (false, None) => Engine::from_name(engine)
@@ -1211,7 +1222,7 @@ fn compile_engine_paths(
             }),
         (true, Some(paths)) => {
             let compiled = paths
-                .into_iter()
+                .iter_mut()
                 .enumerate()
                 .map(|(i, p)| compile_path_target(i, p))
                 .collect::<Result<Vec<_>, _>>()?;
@@ -1234,7 +1245,7 @@ fn compile_engine_paths(
     }
 }
 
-fn compile_path_target(i: usize, raw: RawPathTarget) -> Result<PathTarget, ConfigError> {
+fn compile_path_target(i: usize, raw: &mut RawPathTarget) -> Result<PathTarget, ConfigError> {
     let field = |name: &str| format!("target.paths[{i}].{name}");
     if !raw.prefix.starts_with('/') {
         return Err(err(
@@ -1243,7 +1254,7 @@ fn compile_path_target(i: usize, raw: RawPathTarget) -> Result<PathTarget, Confi
         ));
     }
     let header = optional_header(&field("header"), &raw.header)?;
-    let body_fields = field_names(&field("body_fields"), raw.body_fields)?;
+    let body_fields = field_names(&field("body_fields"), mem::take(&mut raw.body_fields))?;
     if header.is_none() && body_fields.is_empty() {
         return Err(err(
             &field("header"),
@@ -1251,7 +1262,7 @@ fn compile_path_target(i: usize, raw: RawPathTarget) -> Result<PathTarget, Confi
         ));
     }
     Ok(PathTarget {
-        prefix: raw.prefix,
+        prefix: mem::take(&mut raw.prefix),
         header,
         body_fields,
     })
@@ -1287,7 +1298,7 @@ fn check_target_body_fields(
     Ok(())
 }
 
-fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
+fn compile_learn(raw: &mut RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError> {
     for (addr, &rank) in &raw.upstream_addresses {
         if !is_ip_and_port(addr) {
             return Err(err(
@@ -1306,7 +1317,7 @@ fn compile_learn(raw: RawLearn, dp_size: u32) -> Result<LearnConfig, ConfigError
     }
     Ok(LearnConfig {
         response_header: optional_header("learn.response_header", &raw.response_header)?,
-        upstream_addresses: raw.upstream_addresses,
+        upstream_addresses: mem::take(&mut raw.upstream_addresses),
     })
 }
 
@@ -1366,7 +1377,7 @@ const MAX_TABLE_ENTRIES: u64 = 1 << 24;
 /// Buckets one table may have (the error message spells it out).
 pub const MAX_BUCKETS: u32 = 1 << 20;
 
-fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> {
+fn compile_table(path: &str, raw: &mut RawTable) -> Result<TableConfig, ConfigError> {
     let field = |name: &str| format!("{path}.{name}");
     // Every bucket is a shared-data key, made at start-up and never freed while Envoy runs:
     // 16M of them took ~2 min and ~2.4 GB before one entry was stored.
@@ -1419,14 +1430,17 @@ fn compile_table(path: &str, raw: RawTable) -> Result<TableConfig, ConfigError> 
         ttl_seconds: raw.ttl_seconds,
         refresh_seconds: raw.refresh_seconds,
         cas_retries: raw.cas_retries,
-        namespace: raw.namespace,
+        namespace: mem::take(&mut raw.namespace),
     })
 }
 
 /// Checks `prefix` (whether or not it is enabled: a typo is caught before someone turns it on).
-fn compile_prefix(raw: RawPrefix, affinity: &TableConfig) -> Result<PrefixConfig, ConfigError> {
+fn compile_prefix(
+    raw: &mut RawPrefix,
+    affinity: &TableConfig,
+) -> Result<PrefixConfig, ConfigError> {
     raw.knobs.validate()?;
-    let table = compile_table("prefix.table", raw.table)?;
+    let table = compile_table("prefix.table", &mut raw.table)?;
     if table.namespace == affinity.namespace {
         // Same namespace and bucket count would file both tables under the same keys.
         return Err(err(

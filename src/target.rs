@@ -140,39 +140,47 @@ impl EngineTarget {
     /// none), `/generate` the body field only; vLLM's OpenAI paths take the header only. Other
     /// paths are not listed: they choose no rank.
     pub fn preset(engine: Engine) -> EngineTarget {
-        let openai = [
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/responses",
-            "/v1/messages",
-        ];
-        let sglang_fields = || SGLANG_BODY_FIELDS.iter().map(|f| f.to_string()).collect();
-        let paths = match engine {
-            Engine::Sglang => {
-                let mut paths: Vec<PathTarget> = openai
-                    .iter()
-                    .chain(&["/invocations"])
-                    .map(|p| PathTarget {
-                        prefix: (*p).into(),
-                        header: Some(RANK_HEADER.into()),
-                        body_fields: sglang_fields(),
-                    })
-                    .collect();
-                paths.push(PathTarget {
-                    prefix: "/generate".into(),
-                    header: None,
-                    body_fields: sglang_fields(),
-                });
-                let mut target = EngineTarget::new(paths);
-                target.headers.push(SGLANG_OVERRIDE_HEADER.into());
-                return target;
-            }
-            Engine::Vllm => openai
-                .iter()
-                .map(|p| PathTarget::header_only(p, RANK_HEADER))
-                .collect(),
+        // One loop over a list per engine rather than code per path: cold code, kept small.
+        let (sglang, prefixes): (bool, &[&str]) = match engine {
+            Engine::Sglang => (
+                true,
+                &[
+                    "/v1/chat/completions",
+                    "/v1/completions",
+                    "/v1/responses",
+                    "/v1/messages",
+                    "/invocations",
+                    "/generate",
+                ],
+            ),
+            Engine::Vllm => (
+                false,
+                &[
+                    "/v1/chat/completions",
+                    "/v1/completions",
+                    "/v1/responses",
+                    "/v1/messages",
+                ],
+            ),
         };
-        EngineTarget::new(paths)
+        let paths = prefixes
+            .iter()
+            .map(|&prefix| PathTarget {
+                prefix: prefix.into(),
+                // SGLang's `/generate` takes no header, only the body fields.
+                header: (prefix != "/generate").then(|| RANK_HEADER.into()),
+                body_fields: if sglang {
+                    SGLANG_BODY_FIELDS.iter().map(|f| f.to_string()).collect()
+                } else {
+                    Vec::new()
+                },
+            })
+            .collect();
+        let mut target = EngineTarget::new(paths);
+        if sglang {
+            target.headers.push(SGLANG_OVERRIDE_HEADER.into());
+        }
+        target
     }
 
     /// The target of `path` (the raw `:path`), `None` when no entry covers it. The path is
