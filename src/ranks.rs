@@ -123,6 +123,10 @@ pub struct LocalLoad {
     recent: Vec<u32>,
     /// The last successful write left a column of ours on the board (it had counts).
     in_board: bool,
+    /// Strikes that requests this VM saw served cancel, per rank, whose write lost every retry:
+    /// the next write that succeeds carries them (else strikes would only add up under
+    /// contention, and a rank that serves more than it fails could still cool down).
+    unforgiven: Vec<u32>,
     /// Buffers every read-modify-write of the board reuses (no allocation per request).
     scratch: Scratch,
 }
@@ -148,6 +152,7 @@ impl LocalLoad {
             dirty: false,
             in_board: false,
             recent: vec![0; dp_size as usize],
+            unforgiven: vec![0; dp_size as usize],
             scratch: Scratch::default(),
         }
     }
@@ -205,11 +210,11 @@ struct Board {
 
 /// Lowers the strikes of `rank` by one in a written board value (its health records are
 /// copied there unchanged, right after the header).
-fn forgive_strike(out: &mut [u8], rank: usize) {
+fn forgive_strikes(out: &mut [u8], rank: usize, n: u32) {
     let at = HEADER + rank * RANK_RECORD + STRIKES_AT;
-    if let Some(strikes) = u32_at(out, at).filter(|&n| n > 0) {
+    if let Some(strikes) = u32_at(out, at).filter(|&s| s > 0 && n > 0) {
         if let Some(field) = out.get_mut(at..at + 4) {
-            field.copy_from_slice(&(strikes - 1).to_le_bytes());
+            field.copy_from_slice(&strikes.saturating_sub(n).to_le_bytes());
         }
     }
 }
@@ -771,6 +776,7 @@ impl RankBoard {
     ) -> BoardEvents {
         let mut events = BoardEvents::default();
         let mut changed = false;
+        let mut forgave = None;
         for attempt in 0..=self.cas_retries {
             let (value, cas) = store.get(&self.key);
             let step = self.with_bytes(value.as_deref(), now, |board| {
@@ -789,8 +795,9 @@ impl RankBoard {
                 };
                 let mut out = std::mem::take(&mut work.out);
                 board.write_with_column(next_id, id, (&work.counts, &work.recent), now, &mut out);
-                if let Some(rank) = work.forgive.take() {
-                    forgive_strike(&mut out, rank);
+                forgave = work.forgive.take();
+                for (rank, &n) in local.unforgiven.iter().enumerate() {
+                    forgive_strikes(&mut out, rank, n + u32::from(forgave == Some(rank)));
                 }
                 work.out = out;
                 Some((changes, id))
@@ -806,6 +813,7 @@ impl RankBoard {
                 std::mem::swap(&mut local.recent, &mut work.recent);
                 local.id = Some(id);
                 local.dirty = false;
+                local.unforgiven.fill(0);
                 return events;
             }
             // Kept for the memory if every retry loses.
@@ -818,6 +826,9 @@ impl RankBoard {
             }
         }
         events.cas_exhausted += 1;
+        if let Some(n) = forgave.and_then(|rank| local.unforgiven.get_mut(rank)) {
+            *n = n.saturating_add(1);
+        }
         if changed {
             std::mem::swap(&mut local.inflight, &mut work.counts);
             std::mem::swap(&mut local.recent, &mut work.recent);
@@ -1144,6 +1155,27 @@ mod tests {
         b.release(&s, &mut vm, 106, 1, true);
         assert_eq!(b.read(&s, &vm, 106).inflight(1), 0);
         assert!(b.read(&s, &vm, 106).usable(1, 106));
+    }
+
+    #[test]
+    fn a_served_requests_forgiveness_outlives_a_lost_write() {
+        let (s, b) = board(2, 3);
+        let mut vm = LocalLoad::new(2);
+        assert!(!b.strike(&s, 0, 100, RULE).0);
+        assert!(!b.strike(&s, 0, 101, RULE).0);
+        b.acquire(&s, &mut vm, 102, 1, |_| Some(0));
+        // The release of a request rank 0 served loses every retry: its forgiveness is not on
+        // the board yet, and the next write carries it.
+        s.lose_races.set(4);
+        assert_eq!(b.release(&s, &mut vm, 102, 0, true).cas_exhausted, 1);
+        b.publish(&s, &mut vm, 103);
+        // Two strikes, one forgiven: a third error within the window does not cool it down.
+        assert!(!b.strike(&s, 0, 104, RULE).0);
+        assert!(b.read(&s, &vm, 104).usable(0, 104));
+        assert!(
+            b.strike(&s, 0, 105, RULE).0,
+            "errors outnumber what it served"
+        );
     }
 
     #[test]
