@@ -208,8 +208,8 @@ struct Board {
     columns: Vec<Column>,
 }
 
-/// Lowers the strikes of `rank` by one in a written board value (its health records are
-/// copied there unchanged, right after the header).
+/// Lowers the strikes of `rank` by `n` (not below none) in a written board value (its health
+/// records are copied there unchanged, right after the header).
 fn forgive_strikes(out: &mut [u8], rank: usize, n: u32) {
     let at = HEADER + rank * RANK_RECORD + STRIKES_AT;
     if let Some(strikes) = u32_at(out, at).filter(|&s| s > 0 && n > 0) {
