@@ -123,10 +123,11 @@ pub struct LocalLoad {
     recent: Vec<u32>,
     /// The last successful write left a column of ours on the board (it had counts).
     in_board: bool,
-    /// Strikes that requests this VM saw served cancel, per rank, whose write lost every retry:
-    /// the next write that succeeds carries them (else strikes would only add up under
-    /// contention, and a rank that serves more than it fails could still cool down).
-    unforgiven: Vec<u32>,
+    /// Strikes that requests this VM saw served cancel, as (rank, count), whose write lost every
+    /// retry: the next write that succeeds carries them (else strikes would only add up under
+    /// contention, and a rank that serves more than it fails could still cool down). Empty
+    /// but for that, so a write does not walk every rank for it.
+    unforgiven: Vec<(usize, u32)>,
     /// Buffers every read-modify-write of the board reuses (no allocation per request).
     scratch: Scratch,
 }
@@ -152,7 +153,7 @@ impl LocalLoad {
             dirty: false,
             in_board: false,
             recent: vec![0; dp_size as usize],
-            unforgiven: vec![0; dp_size as usize],
+            unforgiven: Vec::new(),
             scratch: Scratch::default(),
         }
     }
@@ -796,8 +797,12 @@ impl RankBoard {
                 let mut out = std::mem::take(&mut work.out);
                 board.write_with_column(next_id, id, (&work.counts, &work.recent), now, &mut out);
                 forgave = work.forgive.take();
-                for (rank, &n) in local.unforgiven.iter().enumerate() {
-                    forgive_strikes(&mut out, rank, n + u32::from(forgave == Some(rank)));
+                for &(rank, n) in forgave
+                    .map(|rank| (rank, 1))
+                    .iter()
+                    .chain(&local.unforgiven)
+                {
+                    forgive_strikes(&mut out, rank, n);
                 }
                 work.out = out;
                 Some((changes, id))
@@ -813,7 +818,7 @@ impl RankBoard {
                 std::mem::swap(&mut local.recent, &mut work.recent);
                 local.id = Some(id);
                 local.dirty = false;
-                local.unforgiven.fill(0);
+                local.unforgiven.clear();
                 return events;
             }
             // Kept for the memory if every retry loses.
@@ -826,8 +831,11 @@ impl RankBoard {
             }
         }
         events.cas_exhausted += 1;
-        if let Some(n) = forgave.and_then(|rank| local.unforgiven.get_mut(rank)) {
-            *n = n.saturating_add(1);
+        if let Some(rank) = forgave {
+            match local.unforgiven.iter_mut().find(|(r, _)| *r == rank) {
+                Some((_, n)) => *n = n.saturating_add(1),
+                None => local.unforgiven.push((rank, 1)),
+            }
         }
         if changed {
             std::mem::swap(&mut local.inflight, &mut work.counts);
