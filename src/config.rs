@@ -1229,6 +1229,7 @@ fn compile_engine_paths(
             if compiled.is_empty() {
                 return Err(err("target.paths", "must list at least one path"));
             }
+            check_unshadowed(&compiled)?;
             Ok(EngineTarget::new(compiled))
         }
         (false, Some(_)) => Err(err(
@@ -1243,6 +1244,25 @@ fn compile_engine_paths(
             ),
         )),
     }
+}
+
+/// Paths are matched in order, so an entry whose every path an earlier prefix already matches
+/// (`/v1/` before `/v1/chat/completions`) would never be used: refused rather than ignored.
+/// Matching the later prefix itself is enough: what is under it is under the earlier one too.
+fn check_unshadowed(paths: &[PathTarget]) -> Result<(), ConfigError> {
+    for (j, later) in paths.iter().enumerate() {
+        if let Some(i) = paths[..j].iter().position(|p| p.matches(&later.prefix)) {
+            return Err(err(
+                &format!("target.paths[{j}].prefix"),
+                format!(
+                    "{:?} is never used: target.paths[{i}] ({:?}) comes first and matches \
+                     every path under it (list the longer prefix first)",
+                    later.prefix, paths[i].prefix
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn compile_path_target(i: usize, raw: &mut RawPathTarget) -> Result<PathTarget, ConfigError> {
@@ -1884,6 +1904,28 @@ mod tests {
             "lower-cased"
         );
         assert_eq!(t.for_path(b"/health"), None);
+        // A longer prefix before a shorter one it lies under, and a name that only starts
+        // like another (`/generated`), are each reached.
+        let ordered = parse(
+            r#"{"dp_size":4,"target":{"mode":"engine","paths":[
+                {"prefix":"/v1/chat/completions","header":"a"},
+                {"prefix":"/generated","header":"b"},
+                {"prefix":"/generate","header":"c"},
+                {"prefix":"/v1/","header":"d"}]}}"#,
+        )
+        .unwrap();
+        let t = ordered.target.engine().unwrap();
+        let header_of = |path: &[u8]| t.for_path(path).and_then(|p| p.header.as_deref());
+        assert_eq!(header_of(b"/v1/chat/completions"), Some("a"));
+        assert_eq!(header_of(b"/generated"), Some("b"));
+        assert_eq!(header_of(b"/generate"), Some("c"));
+        assert_eq!(header_of(b"/v1/models"), Some("d"));
+        for engine in [Engine::Sglang, Engine::Vllm] {
+            assert_eq!(
+                check_unshadowed(&EngineTarget::preset(engine).paths),
+                Ok(())
+            );
+        }
     }
 
     #[test]
@@ -1934,6 +1976,22 @@ mod tests {
             (
                 r#"{"mode":"engine","paths":[{"prefix":"/","bogus":1}]}"#,
                 "target.paths[0].bogus: unknown field",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/v1/","header":"x"},{"prefix":"/v1/chat","header":"y"}]}"#,
+                "target.paths[1].prefix: \"/v1/chat\" is never used: target.paths[0] (\"/v1/\")",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/generate","header":"x"},{"prefix":"/generate/x","header":"y"}]}"#,
+                "target.paths[1].prefix",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/a","header":"x"},{"prefix":"/b","header":"y"},{"prefix":"/a","header":"y"}]}"#,
+                "target.paths[2].prefix: \"/a\" is never used: target.paths[0]",
+            ),
+            (
+                r#"{"mode":"engine","paths":[{"prefix":"/","header":"x"},{"prefix":"/generate","body_fields":["f"]}]}"#,
+                "target.paths[1].prefix",
             ),
             (
                 r#"{"mode":"engine","paths":[{"prefix":"/","body_fields":["user"]}]}"#,
