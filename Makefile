@@ -116,9 +116,10 @@ validate: tools build
 	"$(PYTHON)" scripts/test-validate-deploy.py
 
 # Native unit tests of every workspace member (library and binary targets, then doc tests), and
-# the bench scripts' trace converter, re-keyer, move counter and load-at-placement reader
-# (scripts/test-convert-trace.py, scripts/test-rekey-trace.py, scripts/test-replica-moves.py,
-# scripts/test-load-at-placement.py: hand-made inputs).
+# the bench scripts' trace converter, re-keyer, move counter, load-at-placement reader and
+# balance bound (scripts/test-convert-trace.py, scripts/test-rekey-trace.py,
+# scripts/test-replica-moves.py, scripts/test-load-at-placement.py,
+# scripts/test-balance-bound.py: hand-made inputs).
 # The library's include `module_graph::the_crate_has_no_import_cycle`: no module of src/ imports
 # one that imports it back.
 # Integration tests (tests/*.rs) are the e2e target's job, so they are not run twice.
@@ -129,6 +130,7 @@ unit:
 	python3 scripts/test-rekey-trace.py
 	python3 scripts/test-replica-moves.py
 	python3 scripts/test-load-at-placement.py
+	python3 scripts/test-balance-bound.py
 
 e2e: tools build wasm-fault
 	$(CARGO) test $(E2E_PROFILE) -p dp-affinity --test '*'
