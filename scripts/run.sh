@@ -4,9 +4,11 @@
 # exit) stops all of them.
 #
 # Use `make run`, which installs the tools and builds first. Extra arguments go to Envoy, e.g.
-#   scripts/run.sh --component-log-level wasm:debug
+#   scripts/run.sh --component-log-level wasm:debug,http:debug
 # Environment: ENVOY (binary), MOCK (binary), DP_AFFINITY_WASM (the filter; default the path
-# envoy/envoy.yaml names), LOG_LEVEL (Envoy's, default info).
+# envoy/envoy.yaml names), LOG_LEVEL (Envoy's, default info), WASM_LOG_LEVEL (the filter's, that
+# is Envoy's `wasm` logger: default info; `WASM_LOG_LEVEL=debug make run` logs every placement).
+# `curl -X POST 'localhost:9901/logging?wasm=debug'` changes it while Envoy runs.
 set -euo pipefail
 
 # envoy/envoy.yaml names the wasm by a path relative to the repository root, and Envoy resolves
@@ -20,6 +22,12 @@ SHIPPED_WASM="target/wasm32-wasip1/release/dp_affinity.wasm"
 WASM="${DP_AFFINITY_WASM:-$SHIPPED_WASM}"
 CONFIG="envoy/envoy.yaml"
 LOG_LEVEL="${LOG_LEVEL:-info}"
+WASM_LOG_LEVEL="${WASM_LOG_LEVEL:-info}"
+# Envoy refuses a flag given twice: extra arguments that set component levels replace ours.
+COMPONENT_LEVELS=(--component-log-level "wasm:$WASM_LOG_LEVEL")
+for arg in "$@"; do
+    case "$arg" in --component-log-level*) COMPONENT_LEVELS=() ;; esac
+done
 RANKS=4
 BASE_PORT=18000
 LISTEN_PORT=10000
@@ -96,7 +104,7 @@ done
 # the script in the foreground for as long as Envoy runs.
 "$ENVOY" -c "$CONFIG" \
     --log-level "$LOG_LEVEL" \
-    --component-log-level wasm:info \
+    "${COMPONENT_LEVELS[@]}" \
     --concurrency 2 \
     --disable-hot-restart \
     "$@" &

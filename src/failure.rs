@@ -131,7 +131,10 @@ pub fn cut_by_rank(details: &[u8]) -> bool {
 }
 
 /// Prefixes of Envoy's `response.code_details` for an upstream that did not answer in time.
-const TIMED_OUT: [&[u8]; 4] = [
+/// The route's time-out is `response_timeout` (Envoy 1.40 writes nothing else for it; its docs
+/// still list the older `upstream_response_timeout`, kept for older Envoys).
+const TIMED_OUT: [&[u8]; 5] = [
+    b"response_timeout",
     b"upstream_response_timeout",
     b"upstream_per_try_timeout",
     b"upstream_per_try_idle_timeout",
@@ -314,6 +317,7 @@ mod tests {
                 Answer::ProxyError,
             ),
             (503, Some(&b"upstream_reset_before_response_started"[..]), Answer::ProxyError),
+            (504, Some(&b"response_timeout"[..]), Answer::RankTimeout),
             (
                 504,
                 Some(&b"upstream_response_timeout"[..]),
@@ -339,6 +343,7 @@ mod tests {
     fn an_answer_cut_short_is_read_from_envoys_details() {
         for (details, want) in [
             (&b"upstream_per_try_idle_timeout"[..], true),
+            (b"response_timeout", true),
             (b"upstream_response_timeout", true),
             (b"upstream_reset_after_response_started{remote_reset}", true),
             (

@@ -891,6 +891,51 @@ fn body_followed_by_trailers() {
 
 // ---------------------------------------------------------------- 13. config
 
+/// The filter follows Envoy's level for the `wasm` logger while it runs, as an operator turns
+/// debug lines on and off through the admin port (`POST /logging?wasm=debug`): started at
+/// `info`, no placement line is written; raised to `debug`, each request writes one, within a
+/// tick of the change (a filter that read the level only at start would never log at debug).
+#[test]
+fn the_filters_log_level_follows_envoys_at_run_time() {
+    let stack = Stack::start(
+        "log_level_follows_envoy",
+        StackOptions::new(plugin_config(json!({}))).wasm_log_level("info"),
+    );
+    // Requests sent after the level change (and a tick for the filter to read it), each with a
+    // key of its own so its line can be found; the lines are in the log within a flush (100 ms).
+    let count = || stack.envoy.log().matches("placed: ").count();
+    let placed_lines = |label: &str| -> usize {
+        std::thread::sleep(Duration::from_millis(1500));
+        let before = count();
+        for i in 0..8 {
+            let response = stack.send(&keyed(&format!("{label}-{i}")));
+            assert_eq!(response.status, 200, "{label}-{i}: {}", response.text());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        count() - before
+    };
+    stack.envoy.set_log_level("wasm", "info");
+    assert_eq!(
+        placed_lines("quiet"),
+        0,
+        "requests at info wrote placement lines"
+    );
+    stack.envoy.set_log_level("wasm", "debug");
+    assert_eq!(
+        placed_lines("loud"),
+        8,
+        "one placement line per request at debug"
+    );
+    stack.envoy.set_log_level("wasm", "info");
+    assert_eq!(
+        placed_lines("quiet-again"),
+        0,
+        "back at info, lines still written"
+    );
+    // The quiet requests were placed all the same (the lines, not the work, were skipped).
+    stack.assert_counter("learned", 24);
+}
+
 #[test]
 fn bad_plugin_config_refused() {
     let dir = TestDir::new("bad_plugin_config_refused");

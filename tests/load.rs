@@ -558,6 +558,43 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
     );
 }
 
+/// The same hung rank bounded by the route's `timeout` instead of the idle one: Envoy answers
+/// `504` with `response_timeout`. Each is a strike like the idle time-out's, so the rank cools
+/// down; read as a proxy error (Envoy's docs still name it `upstream_response_timeout`, which
+/// Envoy 1.40 never writes), it never did.
+#[test]
+fn a_route_timeout_on_a_hung_rank_counts_as_a_time_out() {
+    const HUNG: u32 = 2;
+    let stack = Stack::start(
+        "load_route_timeout",
+        StackOptions::new(plugin_config(json!({
+            "assign": { "mode": "hash", "cooldown_seconds": 60 }
+        })))
+        .rank_args(HUNG, &["--delay-ms", "600000"])
+        .route_timeout("1.5s"),
+    );
+    let firsts: Vec<Response> = concurrently(stack.addr(), 40, |i| keyed(&format!("t-{i}")))
+        .into_iter()
+        .map(|a| a.join().expect("client"))
+        .collect();
+    let hung: Vec<usize> = (0..40).filter(|&i| firsts[i].status != 200).collect();
+    assert!(hung.len() >= 3, "fewer than 3 keys placed on the hung rank");
+    for &i in &hung {
+        assert_eq!(firsts[i].status, 504, "{}", firsts[i].text());
+    }
+    let counters = stack.settled();
+    assert!(counters.get("rank_errors") >= 3, "{}", counters.nonzero());
+    assert_eq!(counters.get("rank_cooldown"), 1, "{}", counters.nonzero());
+    for i in 0..40 {
+        let r = served_rank(&stack.send(&keyed(&format!("t-{i}"))));
+        assert_ne!(r, HUNG, "t-{i} went back to the hung rank");
+    }
+    println!(
+        "route timeout: {} of 40 first turns answered 504 after 1.5 s; the rank cooled down",
+        hung.len()
+    );
+}
+
 /// `n` streamed chats sent at once, keys `<prefix>-<i>`: each one's raw answer, lower-cased.
 fn streamed_at_once(stack: &Stack, prefix: &str, n: usize) -> Vec<String> {
     let addr = stack.addr();

@@ -292,20 +292,25 @@ struct Root {
 
 impl Context for Root {}
 
+/// Follows Envoy's level for the `wasm` logger: `--component-log-level wasm:debug` at start, or
+/// `POST /logging?wasm=debug` on the admin port later (read again every tick), shows our debug
+/// lines; below the level, log macros cost nothing on the request path.
+fn follow_log_level() {
+    if let Ok(level) = abi::log_level() {
+        proxy_wasm::set_log_level(match level {
+            0 => LogLevel::Trace,
+            1 => LogLevel::Debug,
+            2 => LogLevel::Info,
+            3 => LogLevel::Warn,
+            4 => LogLevel::Error,
+            _ => LogLevel::Critical,
+        });
+    }
+}
+
 impl RootContext for Root {
     fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
-        // Follow Envoy's level (`--component-log-level wasm:debug` shows our debug lines); below
-        // it, log macros cost nothing on the request path.
-        if let Ok(level) = abi::log_level() {
-            proxy_wasm::set_log_level(match level {
-                0 => LogLevel::Trace,
-                1 => LogLevel::Debug,
-                2 => LogLevel::Info,
-                3 => LogLevel::Warn,
-                4 => LogLevel::Error,
-                _ => LogLevel::Critical,
-            });
-        }
+        follow_log_level();
         info!("dp-affinity {} starting", env!("CARGO_PKG_VERSION"));
         self.clock.refresh();
         if let Err(e) = abi::set_tick_period_ms(TICK_MS) {
@@ -318,6 +323,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        follow_log_level();
         self.clock.refresh();
         if let Some(runtime) = &self.runtime {
             runtime.tick();

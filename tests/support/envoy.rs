@@ -59,6 +59,8 @@ pub struct EnvoyConfig {
     /// Both routes' `retry_policy.per_try_idle_timeout`: how long a rank may stay silent before
     /// Envoy answers 504 (the shipped configs' value unless a test shortens it).
     pub upstream_idle_timeout: String,
+    /// The routes' `timeout` ("0s" as shipped: none; a test may bound a hung rank with it).
+    pub route_timeout: String,
     /// Envoy access log (cluster, upstream host, flags): evidence when a test fails.
     pub access_log: Option<PathBuf>,
     pub topology: Topology,
@@ -76,6 +78,8 @@ pub struct EnvoyConfig {
     pub http1_trailers: bool,
     /// The per-rank clusters' circuit breaker (`max_requests`); `None` keeps Envoy's default (1024).
     pub rank_max_requests: Option<u32>,
+    /// Envoy's level for the `wasm` logger at start (`debug`: the filter's debug lines).
+    pub wasm_log_level: &'static str,
 }
 
 /// The routes' `per_try_idle_timeout` in the shipped configs.
@@ -94,6 +98,7 @@ impl EnvoyConfig {
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
             upstream_idle_timeout: SHIPPED_UPSTREAM_IDLE_TIMEOUT.to_string(),
+            route_timeout: "0s".to_string(),
             access_log: None,
             topology: Topology::PerRankClusters,
             buffer_limit_bytes: DEFAULT_BUFFER_LIMIT_BYTES,
@@ -101,6 +106,7 @@ impl EnvoyConfig {
             lds: false,
             http1_trailers: false,
             rank_max_requests: None,
+            wasm_log_level: "debug",
         }
     }
 }
@@ -167,7 +173,7 @@ fn listener(port: u16, config: &EnvoyConfig) -> Value {
         "codec_type": "AUTO",
         "route_config": match config.topology {
             Topology::PerRankClusters => {
-                route_config(config.fallback_retries, &config.upstream_idle_timeout)
+                route_config(config)
             }
             Topology::SingleEngine => engine_route_config(),
         },
@@ -222,13 +228,14 @@ fn wasm_filter(wasm: &Path, config: &EnvoyConfig) -> Value {
     })
 }
 
-fn route_config(fallback_retries: bool, idle_timeout: &str) -> Value {
+fn route_config(config: &EnvoyConfig) -> Value {
+    let (idle_timeout, route_timeout) = (&config.upstream_idle_timeout, &config.route_timeout);
     let mut fallback_route = json!({
         "cluster": ALL_RANKS_CLUSTER,
-        "timeout": "0s",
+        "timeout": route_timeout,
         "retry_policy": { "per_try_idle_timeout": idle_timeout }
     });
-    if fallback_retries {
+    if config.fallback_retries {
         fallback_route["retry_policy"] = json!({
             "per_try_idle_timeout": idle_timeout,
             "retry_on": "connect-failure,refused-stream",
@@ -256,7 +263,7 @@ fn route_config(fallback_retries: bool, idle_timeout: &str) -> Value {
                     },
                     "route": {
                         "cluster_header": CLUSTER_HEADER,
-                        "timeout": "0s",
+                        "timeout": route_timeout,
                         "retry_policy": { "per_try_idle_timeout": idle_timeout }
                     },
                     "request_headers_to_remove": [CLUSTER_HEADER]
@@ -427,7 +434,10 @@ impl Envoy {
             .args(["--concurrency", &CONCURRENCY.to_string()])
             .args(["--base-id", &base_id.to_string()])
             .args(["--log-level", "info"])
-            .args(["--component-log-level", "wasm:debug"])
+            .args([
+                "--component-log-level",
+                &format!("wasm:{}", config.wasm_log_level),
+            ])
             .arg("--log-path")
             .arg(&log_path)
             // The log and access log are flushed every 10 s by default: too late to

@@ -24,6 +24,8 @@ pub struct StackOptions {
     pub fallback_retries: bool,
     /// Overrides the routes' `per_try_idle_timeout` (e.g. "2s" for a hung-rank test).
     pub upstream_idle_timeout: Option<String>,
+    /// Overrides the routes' `timeout` ("0s" as shipped).
+    pub route_timeout: Option<String>,
     /// Another filter build than the shipped one (`None`: `paths::wasm_path()`).
     pub wasm: Option<std::path::PathBuf>,
     /// Extra arguments for one rank only (after `mock_args`), e.g. a slow rank.
@@ -39,6 +41,8 @@ pub struct StackOptions {
     pub http1_trailers: bool,
     /// The per-rank clusters' circuit breaker (`EnvoyConfig::rank_max_requests`).
     pub rank_max_requests: Option<u32>,
+    /// Envoy's level for the `wasm` logger at start (`EnvoyConfig::wasm_log_level`).
+    pub wasm_log_level: &'static str,
 }
 
 impl StackOptions {
@@ -50,6 +54,7 @@ impl StackOptions {
             allow_on_headers_stop_iteration: true,
             fallback_retries: true,
             upstream_idle_timeout: None,
+            route_timeout: None,
             wasm: None,
             rank_args: BTreeMap::new(),
             engine: false,
@@ -57,7 +62,14 @@ impl StackOptions {
             max_request_headers_kb: None,
             http1_trailers: false,
             rank_max_requests: None,
+            wasm_log_level: "debug",
         }
+    }
+
+    /// Starts Envoy with the `wasm` logger at `level` instead of `debug`.
+    pub fn wasm_log_level(mut self, level: &'static str) -> StackOptions {
+        self.wasm_log_level = level;
+        self
     }
 
     /// Gives each rank's cluster a circuit breaker of `max` requests at once.
@@ -118,6 +130,11 @@ impl StackOptions {
         self
     }
 
+    pub fn route_timeout(mut self, timeout: &str) -> StackOptions {
+        self.route_timeout = Some(timeout.to_string());
+        self
+    }
+
     pub fn fallback_retries(mut self) -> StackOptions {
         self.fallback_retries = true;
         self
@@ -174,11 +191,15 @@ impl Stack {
         if let Some(timeout) = &options.upstream_idle_timeout {
             config.upstream_idle_timeout = timeout.clone();
         }
+        if let Some(timeout) = &options.route_timeout {
+            config.route_timeout = timeout.clone();
+        }
         config.access_log = Some(dir.join("access.log"));
         config.buffer_limit_bytes = options.buffer_limit_bytes;
         config.max_request_headers_kb = options.max_request_headers_kb;
         config.http1_trailers = options.http1_trailers;
         config.rank_max_requests = options.rank_max_requests;
+        config.wasm_log_level = options.wasm_log_level;
         if options.engine {
             config.topology = Topology::SingleEngine;
         }
