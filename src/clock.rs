@@ -8,7 +8,10 @@
 //! first), a rank kept in cool-down and a dead worker's load counted for the step's length. So a
 //! step back is absorbed into an offset and the filter's time goes on from where it was, at the
 //! wall clock's pace. A step forward is taken as it comes (it looks like time passing: entries
-//! expire a little early, once).
+//! expire a little early, once) — unless the wall clock then comes back from more than a year
+//! ahead: that was a stray reading, not time, and the VM starts again from the wall clock (kept,
+//! it would hold every VM that saw it a year or more ahead of the others for good, or stop time
+//! at `u32::MAX`).
 //!
 //! Every worker's VM keeps its own offset, but all of them meet at one floor: the latest time
 //! any of them read, published in shared data ([`FLOOR_KEY`]). A VM started after a step (a new
@@ -51,6 +54,12 @@ impl SteadyClock {
     /// more than [`MAX_FLOOR_AHEAD_SECONDS`] ahead of this VM's time is ignored: the caller
     /// publishes the reading whenever it differs from the floor it passed.
     pub fn read(&mut self, wall: u32, floor: u32) -> u32 {
+        if self.now > wall.saturating_add(MAX_FLOOR_AHEAD_SECONDS) {
+            // More than a year ahead of the wall clock: no step back leaves that (see
+            // `MAX_FLOOR_AHEAD_SECONDS`), a stray forward reading did. Start again from the wall
+            // clock, as a VM that ignores such a floor does, so that all VMs meet again.
+            *self = SteadyClock::default();
+        }
         let time = wall.saturating_add(self.offset);
         let floor = if floor > time.saturating_add(MAX_FLOOR_AHEAD_SECONDS) {
             self.now
@@ -168,6 +177,41 @@ mod tests {
             wall + 50,
             "never back, whatever the floor"
         );
+    }
+
+    /// A stray wall-clock reading far ahead, then corrected: time goes on from the wall clock
+    /// (kept, it stood at `u32::MAX` for good), and a VM that saw the stray reading meets one
+    /// started after it (kept, the two ran a year or more apart, each reading the other's
+    /// stamps as expired or foreign).
+    #[test]
+    fn a_stray_reading_far_ahead_does_not_hold_time() {
+        let wall = 1_760_000_000u32;
+        let mut c = SteadyClock::default();
+        assert_eq!(c.read(wall, 0), wall);
+        let stray = c.read(u32::MAX, wall);
+        assert_eq!(stray, u32::MAX, "a step forward is taken as it comes");
+        let a = c.read(wall + 10, stray);
+        let b = c.read(wall + 20, a);
+        assert_eq!(
+            (a, b),
+            (wall + 10, wall + 20),
+            "time goes on from the wall clock"
+        );
+
+        let mut seen = SteadyClock::default();
+        let mut floor = seen.read(wall, 0);
+        floor = seen.read(wall + 2 * MAX_FLOOR_AHEAD_SECONDS, floor);
+        floor = seen.read(wall + 1, floor);
+        let mut started_after = SteadyClock::default();
+        let later = started_after.read(wall + 2, floor);
+        let earlier = seen.read(wall + 2, later);
+        assert!(
+            earlier.abs_diff(later) <= STAMP_AHEAD_SECONDS,
+            "two times in one process: {earlier} and {later}"
+        );
+        // A step back within the year is still absorbed after all this.
+        let now = later.max(earlier);
+        assert_eq!(seen.read(wall - 100, now), now);
     }
 
     #[test]
