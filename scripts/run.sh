@@ -6,7 +6,8 @@
 # Use `make run`, which installs the tools and builds first. Extra arguments go to Envoy, e.g.
 #   scripts/run.sh --component-log-level wasm:debug,http:debug
 # Environment: ENVOY (binary), MOCK (binary), DP_AFFINITY_WASM (the filter; default the path
-# envoy/envoy.yaml names), LOG_LEVEL (Envoy's, default info), WASM_LOG_LEVEL (the filter's, that
+# envoy/envoy.yaml names), RANKS (mock ranks, default 4 as envoy/envoy.yaml; another count runs
+# a copy written by scripts/envoy-for-ranks.py), LOG_LEVEL (Envoy's, default info), WASM_LOG_LEVEL (the filter's, that
 # is Envoy's `wasm` logger: default info; `WASM_LOG_LEVEL=debug make run` logs every placement).
 # `curl -X POST 'localhost:9901/logging?wasm=debug'` changes it while Envoy runs.
 set -euo pipefail
@@ -28,7 +29,8 @@ COMPONENT_LEVELS=(--component-log-level "wasm:$WASM_LOG_LEVEL")
 for arg in "$@"; do
     case "$arg" in --component-log-level*) COMPONENT_LEVELS=() ;; esac
 done
-RANKS=4
+RANKS="${RANKS:-4}"
+PYTHON="${PYTHON:-.tools/venv/bin/python}"
 BASE_PORT=18000
 LISTEN_PORT=10000
 ADMIN_PORT=9901
@@ -38,6 +40,10 @@ die() { printf 'run.sh: %s\n' "$*" >&2; exit 1; }
 [ -x "$ENVOY" ] || die "envoy not found at $ENVOY: run \`make tools\`"
 [ -x "$MOCK" ] || die "mock-rank not found at $MOCK: run \`make build\`"
 [ -f "$WASM" ] || die "filter not found at $WASM: run \`make build\`"
+case "$RANKS" in
+    '' | *[!0-9]*) die "RANKS must be a number of ranks, got '$RANKS'" ;;
+esac
+[ "$RANKS" -ge 1 ] && [ "$RANKS" -le 64 ] || die "RANKS must be 1..64 here (one local port each), got $RANKS"
 
 # True if something accepts TCP connections on 127.0.0.1:$1 (bash's /dev/tcp: no curl needed).
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -50,6 +56,14 @@ for port in $LISTEN_PORT $ADMIN_PORT $(seq $BASE_PORT $((BASE_PORT + RANKS - 1))
 done
 
 LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/dp-affinity-run.XXXXXX")"
+# Another rank count than the shipped 4: the shipped config with dp_size, the rank clusters,
+# dp-all and the learned addresses made for it, nothing else changed.
+if [ "$RANKS" != 4 ]; then
+    [ -x "$PYTHON" ] || die "python with PyYAML not found at $PYTHON: run \`make tools\`"
+    "$PYTHON" scripts/envoy-for-ranks.py "$RANKS" --base-port "$BASE_PORT" > "$LOG_DIR/envoy-ranks.yaml" \
+        || die "cannot write the config for $RANKS ranks"
+    CONFIG="$LOG_DIR/envoy-ranks.yaml"
+fi
 # Another build than the shipped path: run a copy of the config that names it.
 if [ "$WASM" != "$SHIPPED_WASM" ]; then
     sed "s|filename: $SHIPPED_WASM|filename: $WASM|" "$CONFIG" > "$LOG_DIR/envoy.yaml"
@@ -134,7 +148,7 @@ cat <<EOF
   # explicit rank (header, or body field routed_dp_rank)
   curl -si localhost:$LISTEN_PORT/generate -H 'x-data-parallel-rank: 2' -d '{"text":"hi"}' | grep -i x-dp-rank
   # invalid rank -> 400 JSON error
-  curl -s localhost:$LISTEN_PORT/generate -H 'content-type: application/json' -d '{"text":"hi","routed_dp_rank":7}'
+  curl -s localhost:$LISTEN_PORT/generate -H 'content-type: application/json' -d '{"text":"hi","routed_dp_rank":$((RANKS + 3))}'
   # filter counters
   curl -s localhost:$ADMIN_PORT/stats | grep wasmcustom.dp_affinity
 

@@ -22,6 +22,12 @@ VALIDATOR = os.path.join(ROOT, "scripts", "validate-deploy.py")
 # (name, --only scope, [(file under the copy, old text, new text)], words the failure must contain;
 # None: a change the validator must accept)
 CASES = [
+    ("envoy.yaml without the fallback cluster an 8-rank copy is made from", ["engine-configs"],
+     [("envoy/envoy.yaml", "  - name: dp-all\n", "  - name: dp-every\n")],
+     "envoy.yaml for 8 ranks: ValueError: the config has no cluster 'dp-rank-0' or 'dp-all' to copy"),
+    ("a rank cluster the 8-rank copy keeps but Envoy refuses (caught by Envoy only)", ["engine-configs"],
+     [("envoy/envoy.yaml", "  - name: dp-rank-0\n    type: STATIC", "  - name: dp-rank-0\n    type: STATICALLY")],
+     "envoy/envoy.yaml for 8 ranks (scripts/envoy-for-ranks.py) (wasm"),
     ("a manifest that is not YAML", ["files"],
      [("deploy/istio/gateway.yaml", "  servers:\n", "  servers: [unclosed\n")],
      "istio/gateway.yaml does not parse"),

@@ -24,6 +24,8 @@ be checked here, with a real Envoy wherever Envoy config is involved:
         ClientTrafficPolicy's buffer limit; the EnvoyPatchPolicy's JSON patches (RFC 6902) are
         applied to it and the result validated;
       - envoy/envoy.sglang-dp.yaml and envoy/envoy.vllm-dp.yaml as they are;
+      - envoy/envoy.yaml for 8 ranks as scripts/envoy-for-ranks.py writes it (dp_size, one
+        cluster per rank, dp-all, learn.upstream_addresses agree; nothing else changed);
   * consistency: each embedded plugin configuration equals envoy/envoy.yaml's except for the
     variant's deliberate differences (header-only: no body fields, no prefix; engine: the target
     block; everywhere: no upstream_addresses); body-reading filters carry the flag and a buffer
@@ -43,6 +45,7 @@ Needs PyYAML (installed into .tools/venv by scripts/install-tools.sh).
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -1135,6 +1138,57 @@ def check_engine_configs(envoy_dir, reference, reference_wasm, envoy, wasm_path)
         run_envoy(envoy, cfg, f"envoy/{name} (wasm {os.path.relpath(wasm_path, ROOT)})", errors_before)
 
 
+def check_ranks_config(envoy_dir, reference, envoy, wasm_path, ranks=8):
+    """envoy/envoy.yaml for another rank count as scripts/envoy-for-ranks.py writes it: the four
+    settings that name the ranks agree, nothing else changed, and Envoy validates it."""
+    what = f"envoy/envoy.yaml for {ranks} ranks (scripts/envoy-for-ranks.py)"
+    print(f"{what}:")
+    errors_before = len(errors)
+    spec = importlib.util.spec_from_file_location("envoy_for_ranks", os.path.join(ROOT, "scripts", "envoy-for-ranks.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    shipped = load_docs(os.path.join(envoy_dir, "envoy.yaml"))[0]
+    endpoints = [("127.0.0.1", 18000 + r) for r in range(ranks)]
+    cfg = gen.for_ranks(shipped, endpoints)
+    _, plugin = gen.plugin_config(cfg)
+    naming_ranks = ("dp_size", "learn")
+    if plugin["dp_size"] != ranks:
+        error(f"{what}: dp_size {plugin['dp_size']}")
+    want_addresses = {f"{h}:{p}": r for r, (h, p) in enumerate(endpoints)}
+    if plugin.get("learn", {}).get("upstream_addresses") != want_addresses:
+        error(f"{what}: learn.upstream_addresses do not name each rank's address")
+    rest = {k: v for k, v in plugin.items() if k not in naming_ranks}
+    if rest != {k: v for k, v in reference.items() if k not in naming_ranks} or \
+            {k: v for k, v in plugin["learn"].items() if k != "upstream_addresses"} != \
+            {k: v for k, v in reference.get("learn", {}).items() if k != "upstream_addresses"}:
+        error(f"{what}: plugin settings other than the ranks' differ from envoy/envoy.yaml's")
+    template = plugin["target"]["cluster_template"]
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    for r, (host, port) in enumerate(endpoints):
+        c = clusters.get(template.replace("{rank}", str(r)))
+        got = c and [e["endpoint"]["address"]["socket_address"] for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+        if got != [{"address": host, "port_value": port}]:
+            error(f"{what}: rank {r}'s cluster is missing or not at {host}:{port}")
+    fallback = clusters.get("dp-all")
+    got = fallback and [e["endpoint"]["address"]["socket_address"]["port_value"]
+                        for e in fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    if got != [p for _, p in endpoints]:
+        error(f"{what}: dp-all does not hold every rank")
+    if len(clusters) != ranks + 1:
+        error(f"{what}: {len(clusters)} clusters, expected {ranks} ranks and dp-all")
+    a, b = copy.deepcopy(cfg), copy.deepcopy(shipped)
+    for d in (a, b):
+        d["static_resources"].pop("clusters")
+        gen.plugin_config(d)[0].pop("value")
+    if a != b:
+        error(f"{what}: the listener, routes or filter settings differ from envoy/envoy.yaml's")
+    # The wasm this run built, wherever the shipped path points.
+    for lst in cfg["static_resources"]["listeners"]:
+        for flt in wasm_filters(hcm_of_listener(lst)):
+            flt["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = wasm_path
+    run_envoy(envoy, cfg, f"{what} (wasm {os.path.relpath(wasm_path, ROOT)})", errors_before)
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
@@ -1184,6 +1238,10 @@ def main():
             check_engine_configs(args.envoy_dir, reference, reference_wasm, args.envoy, wasm)
         except (Invalid, OSError, KeyError, IndexError, TypeError, yaml.YAMLError) as exc:
             error(f"engine configs: {type(exc).__name__}: {exc}")
+        try:
+            check_ranks_config(args.envoy_dir, reference, args.envoy, wasm)
+        except (Invalid, OSError, KeyError, IndexError, TypeError, ValueError) as exc:
+            error(f"envoy.yaml for 8 ranks: {type(exc).__name__}: {exc}")
     images = []
     for name in SET_NAMES:
         if name not in wanted:
