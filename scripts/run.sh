@@ -7,7 +7,8 @@
 #   scripts/run.sh --component-log-level wasm:debug,http:debug
 # Environment: ENVOY (binary), MOCK (binary), DP_AFFINITY_WASM (the filter; default the path
 # envoy/envoy.yaml names), RANKS (mock ranks, default 4 as envoy/envoy.yaml; another count runs
-# a copy written by scripts/envoy-for-ranks.py), LOG_LEVEL (Envoy's, default info), WASM_LOG_LEVEL (the filter's, that
+# a copy written by scripts/envoy-for-ranks.py), LOG_LEVEL (Envoy's own, default warning: its
+# start-up lines are long and say nothing about the filter), WASM_LOG_LEVEL (the filter's, that
 # is Envoy's `wasm` logger: default info; `WASM_LOG_LEVEL=debug make run` logs every placement).
 # `curl -X POST 'localhost:9901/logging?wasm=debug'` changes it while Envoy runs.
 set -euo pipefail
@@ -22,7 +23,7 @@ MOCK="${MOCK:-${DP_AFFINITY_MOCK:-target/release/mock-rank}}"
 SHIPPED_WASM="target/wasm32-wasip1/release/dp_affinity.wasm"
 WASM="${DP_AFFINITY_WASM:-$SHIPPED_WASM}"
 CONFIG="envoy/envoy.yaml"
-LOG_LEVEL="${LOG_LEVEL:-info}"
+LOG_LEVEL="${LOG_LEVEL:-warning}"
 WASM_LOG_LEVEL="${WASM_LOG_LEVEL:-info}"
 # Envoy refuses a flag given twice: extra arguments that set component levels replace ours.
 COMPONENT_LEVELS=(--component-log-level "wasm:$WASM_LOG_LEVEL")
@@ -115,10 +116,12 @@ done
 # Envoy. --disable-hot-restart: no shared-memory region, so this Envoy does not clash with the
 # Envoys that the e2e tests start (a second Envoy with hot restart on needs its own --base-id).
 # It runs as a background child (not exec) so the traps above stay in force; `wait` below keeps
-# the script in the foreground for as long as Envoy runs.
+# the script in the foreground for as long as Envoy runs. The access log is flushed every 10 s
+# by default; every 0.5 s here, so each request's line shows as it is answered.
 "$ENVOY" -c "$CONFIG" \
     --log-level "$LOG_LEVEL" \
     "${COMPONENT_LEVELS[@]}" \
+    --file-flush-interval-msec 500 \
     --concurrency 2 \
     --disable-hot-restart \
     "$@" &
