@@ -962,7 +962,7 @@ fn compile_explicit(raw: &mut RawExplicitRank) -> Result<ExplicitRankConfig, Con
     let trust = match (raw.trusted_header.is_empty(), raw.trusted_secret.is_empty()) {
         (true, true) => None,
         (false, false) => Some(Trust {
-            header: header_name("explicit_rank.trusted_header", &raw.trusted_header)?,
+            header: written_header("explicit_rank.trusted_header", &raw.trusted_header)?,
             secret: trusted_secret(mem::take(&mut raw.trusted_secret))?,
         }),
         (true, false) => {
@@ -980,7 +980,7 @@ fn compile_explicit(raw: &mut RawExplicitRank) -> Result<ExplicitRankConfig, Con
     };
     Ok(ExplicitRankConfig {
         enabled: raw.enabled,
-        header: header_name("explicit_rank.header", &raw.header)?,
+        header: written_header("explicit_rank.header", &raw.header)?,
         body_fields: field_names("explicit_rank.body_fields", mem::take(&mut raw.body_fields))?,
         on_invalid: raw.on_invalid,
         trust,
@@ -1144,7 +1144,7 @@ fn compile_target(
     }
     // Checked in every mode (an operator may set it before switching the mode), refused where
     // each path names its own header.
-    let engine_header = header_name(
+    let engine_header = written_header(
         "target.engine_header",
         raw.engine_header
             .as_deref()
@@ -1168,7 +1168,7 @@ fn compile_target(
             ))
         }
     };
-    let header = header_name("target.cluster_header", &raw.cluster_header)?;
+    let header = written_header("target.cluster_header", &raw.cluster_header)?;
     if rank_placeholder(&raw.cluster_template).is_none() {
         return Err(err(
             "target.cluster_template",
@@ -1336,7 +1336,10 @@ fn compile_learn(raw: &mut RawLearn, dp_size: u32) -> Result<LearnConfig, Config
         }
     }
     Ok(LearnConfig {
-        response_header: optional_header("learn.response_header", &raw.response_header)?,
+        response_header: match raw.response_header.as_str() {
+            "" => None,
+            name => Some(header_name("learn.response_header", name)?),
+        },
         upstream_addresses: mem::take(&mut raw.upstream_addresses),
     })
 }
@@ -1557,6 +1560,23 @@ fn check_request_header_roles(
 }
 
 /// Lower-cases and checks a required header name (RFC 9110 token characters).
+/// Headers that frame or route the message itself (HTTP/1.1 connection options, the body's
+/// length and encoding, the authority): a header the filter sets or removes must not be one of
+/// them, or requests or answers would break for every client.
+const FRAMING_HEADERS: [&str; 11] = [
+    "host",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
 fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
     let lower = name.trim().to_ascii_lowercase();
     let is_tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c);
@@ -1569,12 +1589,24 @@ fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
     Ok(lower)
 }
 
-/// Like `header_name`, but an empty string switches the feature off.
+/// A header the filter sets or removes: a valid name, and not one of [`FRAMING_HEADERS`].
+fn written_header(field: &str, name: &str) -> Result<String, ConfigError> {
+    let lower = header_name(field, name)?;
+    if FRAMING_HEADERS.contains(&lower.as_str()) {
+        return Err(err(
+            field,
+            format!("{name:?} frames or routes the message itself: the filter sets or removes this header, so choose another name"),
+        ));
+    }
+    Ok(lower)
+}
+
+/// Like `written_header`, but an empty string switches the feature off.
 fn optional_header(field: &str, name: &str) -> Result<Option<String>, ConfigError> {
     if name.is_empty() {
         Ok(None)
     } else {
-        header_name(field, name).map(Some)
+        written_header(field, name).map(Some)
     }
 }
 
@@ -2027,6 +2059,17 @@ mod tests {
             c.body.wanted_fields,
             ["routing_key", "prompt_cache_key", "user"]
         );
+        // Headers the filter only reads may be any header, framing ones included.
+        let read_only = parse(
+            r#"{"dp_size":2,"routing_key":{"headers":["Host","user-agent"]},
+                "learn":{"response_header":"Content-Type"}}"#,
+        )
+        .unwrap();
+        assert_eq!(read_only.key.headers, ["host", "user-agent"]);
+        assert_eq!(
+            read_only.learn.response_header.as_deref(),
+            Some("content-type")
+        );
     }
 
     #[test]
@@ -2082,11 +2125,11 @@ mod tests {
             ),
             (
                 r#""explicit_rank":{"header":"content-length"}"#,
-                "explicit_rank.header: \"content-length\" is also the content-length header (body.max_bytes)",
+                "explicit_rank.header: \"content-length\" frames or routes the message itself",
             ),
             (
                 r#""target":{"mode":"engine_header","engine_header":"content-length"}"#,
-                "target.engine_header: \"content-length\" is also the content-length header",
+                "target.engine_header: \"content-length\" frames",
             ),
             // Checked whether or not the override is on: a disabled explicit-rank header is
             // still stripped, so it still hides the other role.
@@ -2249,6 +2292,31 @@ mod tests {
             (
                 r#"{"dp_size":4,"target":{"cluster_header":"bad header"}}"#,
                 "cluster_header",
+            ),
+            // Headers the filter sets or removes must not frame or route the message.
+            (
+                r#"{"dp_size":4,"echo_header":"Content-Length"}"#,
+                "echo_header: \"Content-Length\" frames or routes the message itself",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"cluster_header":"host"}}"#,
+                "target.cluster_header: \"host\" frames",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"header":"transfer-encoding"}}"#,
+                "explicit_rank.header",
+            ),
+            (
+                r#"{"dp_size":4,"explicit_rank":{"trusted_header":"connection","trusted_secret":"s"}}"#,
+                "explicit_rank.trusted_header",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"mode":"engine_header","engine_header":"content-type"}}"#,
+                "target.engine_header",
+            ),
+            (
+                r#"{"dp_size":4,"target":{"mode":"engine","paths":[{"prefix":"/","header":"TE"}]}}"#,
+                "target.paths[0].header: \"TE\" frames",
             ),
             (
                 r#"{"dp_size":4,"explicit_rank":{"on_invalid":"drop"}}"#,
