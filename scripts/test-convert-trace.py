@@ -34,6 +34,20 @@ def test_blocks_are_split_and_prefixes_kept():
     assert all("key" not in r for r in rows)
 
 
+def test_a_partial_last_block_is_cut_to_the_input_length():
+    trace = lines(
+        {"timestamp": 0, "hash_ids": [0, 1], "input_length": 70, "output_length": 1},
+        {"timestamp": 1, "hash_ids": [0, 2], "input_length": 128, "output_length": 1},
+        {"timestamp": 2, "hash_ids": [0, 3], "input_length": 500, "output_length": 1},
+    )
+    rows = ct.convert(trace, block_tokens=64, requests=0, skip=0, max_output=0)
+    # 70 tokens: 5 blocks of 16 (the last partial); 128: all 8; more than the ids hold: all 8.
+    assert [len(r["hash_ids"]) for r in rows] == [5, 8, 8], rows
+    assert rows[0]["hash_ids"] == [0, 1, 2, 3, 4]
+    whole = ct.convert(trace, block_tokens=64, requests=0, skip=0, max_output=0, whole_blocks=True)
+    assert [len(r["hash_ids"]) for r in whole] == [8, 8, 8], whole
+
+
 def test_rows_are_sorted_then_cut():
     rows = ct.convert(lines(
         {"timestamp": 30, "hash_ids": [3], "output_length": 1},

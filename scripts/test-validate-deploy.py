@@ -94,7 +94,7 @@ CASES = [
      [("deploy/wasm-image/Dockerfile.dockerignore", "!target/wasm32-wasip1/release/dp_affinity.wasm\n", "")],
      "is excluded by Dockerfile.dockerignore"),
     ("an Envoy Gateway route left without a stream idle timeout", ["envoy-gateway/ranks"],
-     [("deploy/envoy-gateway/ranks/routing.yaml", "      streamIdleTimeout: 300s\n", "")],
+     [("deploy/envoy-gateway/ranks/routing.yaml", "      streamIdleTimeout: 300s  # BackendTrafficPolicy field since Envoy Gateway v1.8\n", "")],
      "has no stream idle timeout (request timeout 0s and no BackendTrafficPolicy"),
     ("Envoy Gateway upstream connections kept idle past the engine's keep-alive", ["envoy-gateway/engine"],
      [("deploy/envoy-gateway/engine/routing.yaml", "connectionIdleTimeout: 4s", "connectionIdleTimeout: 1h")],
