@@ -558,6 +558,17 @@ def run_policy(children, workdir, c, name, trace, capacity, speed=1.0, tokenizer
         rows = read_trace(trace)
         span_us = (rows[-1][0] - rows[0][0]) * 1000.0 / speed
         summary["busy"] = measured_busy(answered, ranks, span_us)
+        # Turns that wait for their session's previous answer stretch the replay; far past the
+        # planned span the load is not the one the speed was computed for (a trace whose key
+        # names no conversation chains its requests unless rows carry their `session`).
+        ends = [r["scheduled_ms"] * 1000 + r.get("lateness_us", 0) + r.get("turn_wait_us", 0) + r["total_us"]
+                for r in answered if r.get("total_us") is not None]
+        stretch = max(ends, default=0) / span_us if span_us else 1.0
+        summary["stretch"] = stretch
+        if stretch > 1.5:
+            bc.log(TAG, f"  WARNING: the replay took {stretch:.1f}x its planned span (turns waiting for "
+                f"their session's previous answer): the load was lower than planned, busy is "
+                f"over the planned span")
     summary["slot_wait_ms"] = mean_slot_wait_ms(answered)
     counters = {}
     if admins:

@@ -7,7 +7,9 @@ Input: a bench trace whose requests carry their session's `key` (the kv suite wr
 run, `results/affinity-<UTC>/trace-kv-<R>ranks.jsonl`; `scripts/convert-trace.py` makes one of
 a public trace). Output: the same requests, every `key` replaced by `--key` (one key for
 everything), or by one of `--users N` keys, `user-0` .. `user-<N-1>`, the same for every request
-of a session (chosen by a stable hash of its key, so a session never changes user).
+of a session (chosen by a stable hash of its key, so a session never changes user). Each row
+keeps its conversation as `session` (its old key), so `dp-replay run` still sends a
+conversation's turns one after the other, and other conversations sharing the key meanwhile.
 
   scripts/rekey-trace.py results/affinity-<UTC>/trace-kv-4ranks.jsonl --key benchmark > one-key.jsonl
   scripts/rekey-trace.py results/affinity-<UTC>/trace-kv-4ranks.jsonl --users 3 > three-users.jsonl
@@ -31,6 +33,7 @@ def rekey(rows, key=None, users=None):
         if not isinstance(row.get("key"), str):
             raise ValueError(f"request {i} has no session key to replace")
         new = dict(row)
+        new.setdefault("session", row["key"])
         new["key"] = key if key is not None else user_of(row["key"], users)
         out.append(new)
     return out

@@ -21,7 +21,9 @@ ROWS = [{"timestamp": t, "hash_ids": [1, t], "key": f"s{t % 5}"} for t in range(
 def test_one_key_for_everything():
     out = rk.rekey(ROWS, key="benchmark")
     assert {r["key"] for r in out} == {"benchmark"}
-    assert [dict(r, key=None) for r in out] == [dict(r, key=None) for r in ROWS], "only keys change"
+    assert [dict(r, key=None, session=None) for r in out] == [dict(r, key=None, session=None) for r in ROWS], \
+        "only keys change"
+    assert [r["session"] for r in out] == [r["key"] for r in ROWS], "each row keeps its conversation"
 
 
 def test_users_keep_their_sessions_whole():

@@ -57,16 +57,17 @@ Replays a trace open-loop: request i is sent at (t_ms[i] - t_ms[0]) / speed
 whether or not earlier ones finished, except that a session's turn waits for
 its previous turn's answer (see --turns). Prints a summary table on stderr.
 
-  --trace FILE        JSONL trace (`-` = stdin): t_ms|timestamp, key, one of
+  --trace FILE        JSONL trace (`-` = stdin): t_ms|timestamp, key, session
+                      (when a key names several conversations), one of
                       messages|text|blocks|hash_ids, output_tokens|output_length,
                       input_length
   --target URL        http://HOST:PORT[/prefix]; repeat for several replicas
   --spread MODE       random (seeded per request, default) | session (hash
                       of the key; random without a key): target choice
   --turns ORDER       in-order (default): a request waits for the answer to
-                      the previous request of its key (its session's last
-                      turn) to end, as a client does | open: every request
-                      leaves at its trace time
+                      the previous request of its session (its `session`,
+                      else its key) to end, as a client does | open: every
+                      request leaves at its trace time
   --key-mode MODE     header (default) | body (\"prompt_cache_key\") | none
   --key-header NAME   header carrying the key (default x-smg-routing-key)
   --speed X           time compression: 2 replays twice as fast (default 1)

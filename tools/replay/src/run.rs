@@ -105,6 +105,9 @@ pub struct Record {
     /// Line in the trace file.
     pub line: usize,
     pub key: Option<String>,
+    /// The conversation whose turns go in order (`--turns in-order`): the trace's `session`,
+    /// else its key. Not written out (the key is).
+    pub session: Option<String>,
     /// Index of the `--target` used.
     pub target: usize,
     /// When it was due, ms after the replay started.
@@ -214,7 +217,7 @@ impl Shared<'_> {
         if self.turns == TurnOrder::Open {
             return Some(job);
         }
-        let Some(key) = job.record.key.clone() else {
+        let Some(key) = job.record.session.clone() else {
             return Some(job);
         };
         let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
@@ -285,6 +288,7 @@ pub fn execute(cfg: &Config, requests: &[Request]) -> (Vec<Record>, f64) {
                     index,
                     line: req.line,
                     key: req.key.clone(),
+                    session: req.session.clone().or_else(|| req.key.clone()),
                     target,
                     scheduled_ms,
                     ..Record::default()
@@ -350,7 +354,7 @@ fn dispatch<'scope, 'env>(
 }
 
 fn fail(shared: &Shared, records: &Sender<Record>, mut record: Record, msg: &str) {
-    let key = record.key.clone();
+    let key = record.session.clone();
     record.error = Some(msg.to_string());
     let _ = records.send(record);
     // The turns waiting for this one fail with it rather than wait for ever.
@@ -368,7 +372,7 @@ fn worker(shared: &Shared, records: &Sender<Record>, first: Job) {
     let mut job = first;
     loop {
         let record = perform(shared, &mut conns, job);
-        let key = record.key.clone();
+        let key = record.session.clone();
         let _ = records.send(record);
         // The session's next turn, if it was waiting for this one, goes from
         // this worker and takes over its slot.
@@ -820,6 +824,25 @@ mod tests {
             "{records:?}"
         );
         assert!(wall_s < 0.09, "all at once: {wall_s}");
+    }
+
+    /// One routing key shared by two conversations (`session` names each): only a
+    /// conversation's own turns wait for each other, never the other conversation's.
+    #[test]
+    fn a_shared_key_does_not_chain_other_conversations() {
+        let (url, _) = slow_server(Duration::from_millis(30));
+        let at_once = |session: &str, i: usize| {
+            let line = format!(
+                r#"{{"t_ms": 0, "key": "everyone", "session": "{session}", "hash_ids": [1, {i}]}}"#
+            );
+            trace::parse_line(&line, i + 1).expect("line")
+        };
+        let reqs: Vec<Request> = vec![at_once("a", 0), at_once("b", 1), at_once("a", 2)];
+        let (records, _) = execute(&config(&[url]), &reqs);
+        assert!(records.iter().all(Record::ok), "{records:?}");
+        assert_eq!(records[1].turn_wait_us, 0, "another conversation, the same key");
+        assert!(records[2].turn_wait_us >= 25_000, "{records:?}");
+        assert!(records.iter().all(|r| r.key.as_deref() == Some("everyone")));
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub struct Request {
     pub t_ms: f64,
     /// Routing key (session, user, ...), if any.
     pub key: Option<String>,
+    /// The conversation this request is a turn of, where the trace names it apart from the
+    /// routing key (`session`: a key many conversations share, as `scripts/rekey-trace.py`
+    /// writes); `None`: the key names the conversation.
+    pub session: Option<String>,
     pub prompt: Prompt,
     pub output_tokens: u64,
 }
@@ -148,12 +152,8 @@ pub fn parse_line(line: &str, number: usize) -> Result<Request, String> {
         (None, Some(v)) => time(v, "timestamp")?,
         (None, None) => return Err("missing arrival time (t_ms or timestamp)".into()),
     };
-    let key = match obj.get("key") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Number(n)) => Some(n.to_string()),
-        Some(_) => return Err("key: expected a string".into()),
-    };
+    let key = name(obj.get("key"), "key")?;
+    let session = name(obj.get("session"), "session")?;
     let output_tokens = match (obj.get("output_tokens"), obj.get("output_length")) {
         (Some(v), _) => count(v, "output_tokens")?,
         (None, Some(v)) => count(v, "output_length")?,
@@ -189,9 +189,20 @@ pub fn parse_line(line: &str, number: usize) -> Result<Request, String> {
         line: number,
         t_ms,
         key,
+        session,
         prompt,
         output_tokens,
     })
+}
+
+/// A key or session name: a string (or a number, as text); absent or `null`: none.
+fn name(v: Option<&Value>, field: &str) -> Result<Option<String>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Number(n)) => Ok(Some(n.to_string())),
+        Some(_) => Err(format!("{field}: expected a string")),
+    }
 }
 
 fn time(v: &Value, field: &str) -> Result<f64, String> {
