@@ -840,7 +840,10 @@ mod tests {
         let reqs: Vec<Request> = vec![at_once("a", 0), at_once("b", 1), at_once("a", 2)];
         let (records, _) = execute(&config(&[url]), &reqs);
         assert!(records.iter().all(Record::ok), "{records:?}");
-        assert_eq!(records[1].turn_wait_us, 0, "another conversation, the same key");
+        assert_eq!(
+            records[1].turn_wait_us, 0,
+            "another conversation, the same key"
+        );
         assert!(records[2].turn_wait_us >= 25_000, "{records:?}");
         assert!(records.iter().all(|r| r.key.as_deref() == Some("everyone")));
     }
