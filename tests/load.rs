@@ -518,43 +518,58 @@ fn abandoned_streams_release_their_load() {
     counters.assert_zero(&["answer_cut", "rank_errors", "rank_cooldown"]);
 }
 
-#[test]
-fn a_hung_rank_is_drained_of_pinned_traffic() {
-    const HUNG: u32 = 1;
+/// A rank that accepts requests and never answers (`--delay-ms 600000`), its requests ended by
+/// Envoy's time-out that `bounded` configures: 40 new conversations at once (keys
+/// `<prefix>-<i>`). The ones placed on it get Envoy's `504`, their strikes cool it down (its
+/// gauge says so), and every conversation's next turn is served by another rank. Returns how
+/// many first turns timed out and how long the 40 took.
+fn hung_rank_cools_down(
+    name: &str,
+    hung: u32,
+    prefix: &str,
+    bounded: impl FnOnce(StackOptions) -> StackOptions,
+) -> (usize, Duration) {
     let stack = Stack::start(
-        "load_hung",
-        StackOptions::new(plugin_config(json!({
-            "assign": { "mode": "hash", "cooldown_seconds": 60 }
-        })))
-        .rank_args(HUNG, &["--delay-ms", "600000"])
-        .upstream_idle_timeout("2s"),
+        name,
+        bounded(
+            StackOptions::new(plugin_config(json!({
+                "assign": { "mode": "hash", "cooldown_seconds": 60 }
+            })))
+            .rank_args(hung, &["--delay-ms", "600000"]),
+        ),
     );
-    let addr = stack.addr();
     let started = Instant::now();
-    let first = concurrently(addr, 40, |i| keyed(&format!("h-{i}")));
-    let firsts: Vec<Response> = first
+    let firsts: Vec<Response> = concurrently(stack.addr(), 40, |i| keyed(&format!("{prefix}-{i}")))
         .into_iter()
         .map(|a| a.join().expect("client"))
         .collect();
     let drained_after = started.elapsed();
-    let hung: Vec<usize> = (0..40).filter(|&i| firsts[i].status != 200).collect();
-    assert!(hung.len() >= 3, "fewer than 3 keys placed on the hung rank");
-    for &i in &hung {
+    let timed_out: Vec<usize> = (0..40).filter(|&i| firsts[i].status != 200).collect();
+    assert!(
+        timed_out.len() >= 3,
+        "fewer than 3 keys placed on the hung rank"
+    );
+    for &i in &timed_out {
         assert_eq!(firsts[i].status, 504, "{}", firsts[i].text());
     }
     // Every worker has ticked (gauges are set on the tick) and flushed since the time-outs.
     let counters = stack.settled();
-    assert!(counters.get("rank_errors") >= 3);
-    assert_eq!(counters.get("rank_cooldown"), 1);
-    assert_eq!(gauges(&stack.envoy, "rank_cooling_down")[HUNG as usize], 1);
-    // Every conversation's next turn is served, none by the hung rank.
+    assert!(counters.get("rank_errors") >= 3, "{}", counters.nonzero());
+    assert_eq!(counters.get("rank_cooldown"), 1, "{}", counters.nonzero());
+    assert_eq!(gauges(&stack.envoy, "rank_cooling_down")[hung as usize], 1);
     for i in 0..40 {
-        let r = served_rank(&stack.send(&keyed(&format!("h-{i}"))));
-        assert_ne!(r, HUNG, "h-{i} went back to the hung rank");
+        let r = served_rank(&stack.send(&keyed(&format!("{prefix}-{i}"))));
+        assert_ne!(r, hung, "{prefix}-{i} went back to the hung rank");
     }
+    (timed_out.len(), drained_after)
+}
+
+#[test]
+fn a_hung_rank_is_drained_of_pinned_traffic() {
+    let (timed_out, drained_after) =
+        hung_rank_cools_down("load_hung", 1, "h", |o| o.upstream_idle_timeout("2s"));
     println!(
-        "hung: {} of 40 first turns timed out (504 after the 2 s idle timeout), all drained in {drained_after:?}; next turns all elsewhere",
-        hung.len()
+        "hung: {timed_out} of 40 first turns timed out (504 after the 2 s idle timeout), all drained in {drained_after:?}; next turns all elsewhere"
     );
 }
 
@@ -564,34 +579,10 @@ fn a_hung_rank_is_drained_of_pinned_traffic() {
 /// Envoy 1.40 never writes), it never did.
 #[test]
 fn a_route_timeout_on_a_hung_rank_counts_as_a_time_out() {
-    const HUNG: u32 = 2;
-    let stack = Stack::start(
-        "load_route_timeout",
-        StackOptions::new(plugin_config(json!({
-            "assign": { "mode": "hash", "cooldown_seconds": 60 }
-        })))
-        .rank_args(HUNG, &["--delay-ms", "600000"])
-        .route_timeout("1.5s"),
-    );
-    let firsts: Vec<Response> = concurrently(stack.addr(), 40, |i| keyed(&format!("t-{i}")))
-        .into_iter()
-        .map(|a| a.join().expect("client"))
-        .collect();
-    let hung: Vec<usize> = (0..40).filter(|&i| firsts[i].status != 200).collect();
-    assert!(hung.len() >= 3, "fewer than 3 keys placed on the hung rank");
-    for &i in &hung {
-        assert_eq!(firsts[i].status, 504, "{}", firsts[i].text());
-    }
-    let counters = stack.settled();
-    assert!(counters.get("rank_errors") >= 3, "{}", counters.nonzero());
-    assert_eq!(counters.get("rank_cooldown"), 1, "{}", counters.nonzero());
-    for i in 0..40 {
-        let r = served_rank(&stack.send(&keyed(&format!("t-{i}"))));
-        assert_ne!(r, HUNG, "t-{i} went back to the hung rank");
-    }
+    let (timed_out, _) =
+        hung_rank_cools_down("load_route_timeout", 2, "t", |o| o.route_timeout("1.5s"));
     println!(
-        "route timeout: {} of 40 first turns answered 504 after 1.5 s; the rank cooled down",
-        hung.len()
+        "route timeout: {timed_out} of 40 first turns answered 504 after 1.5 s; the rank cooled down"
     );
 }
 
