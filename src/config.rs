@@ -1559,7 +1559,6 @@ fn check_request_header_roles(
     Ok(())
 }
 
-/// Lower-cases and checks a required header name (RFC 9110 token characters).
 /// Headers that frame or route the message itself (HTTP/1.1 connection options, the body's
 /// length and encoding, the authority): a header the filter sets or removes must not be one of
 /// them, or requests or answers would break for every client.
@@ -1577,6 +1576,7 @@ const FRAMING_HEADERS: [&str; 11] = [
     "upgrade",
 ];
 
+/// Lower-cases and checks a required header name (RFC 9110 token characters).
 fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
     let lower = name.trim().to_ascii_lowercase();
     let is_tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c);
