@@ -501,11 +501,23 @@ fn expected_body_facts(cfg: &BodyCfg, members: &[(String, &J)]) -> Expected {
     (rank, key, room)
 }
 
-fn check_body_against_serde(cfg: &BodyCfg, config: &Config, body: &[u8], order: &[String]) {
+/// `minus_zero`: the members written as the integer `-0`, which Python (the engine) reads as
+/// the int 0 and serde as the float -0.0 (which it writes back as `-0.0`, a float to both).
+fn check_body_against_serde(
+    cfg: &BodyCfg,
+    config: &Config,
+    body: &[u8],
+    order: &[String],
+    minus_zero: &[String],
+) {
     let obj: serde_json::Map<String, J> = serde_json::from_slice(body).expect("valid JSON object");
+    let zero = J::from(0u64);
     let members: Vec<(String, &J)> = order
         .iter()
-        .map(|n| (n.clone(), obj.get(n).expect("member named in the order")))
+        .map(|n| {
+            let v = obj.get(n).expect("member named in the order");
+            (n.clone(), if minus_zero.contains(n) { &zero } else { v })
+        })
         .collect();
     let expected = expected_body_facts(cfg, &members);
     let facts = scan_body(config, body).expect("scan_body accepts a valid object");
@@ -603,7 +615,11 @@ proptest! {
         let config = cfg.config();
 
         check_scan_against_serde(&body, obj, true);
-        check_body_against_serde(&cfg, &config, &body, &order);
+        let minus_zero: Vec<String> = doc_members(&doc)
+            .filter(|(_, v)| matches!(v, Node::Num(raw) if raw == "-0"))
+            .map(|(k, _)| k.clone())
+            .collect();
+        check_body_against_serde(&cfg, &config, &body, &order, &minus_zero);
 
         // serde's own serialisations: member order is the map's (sorted) order.
         let map_order: Vec<String> = obj.keys().cloned().collect();
@@ -616,7 +632,7 @@ proptest! {
             let reparsed: serde_json::Map<String, J> =
                 serde_json::from_slice(&again).expect("serde reads its own output");
             check_scan_against_serde(&again, &reparsed, true);
-            check_body_against_serde(&cfg, &config, &again, &map_order);
+            check_body_against_serde(&cfg, &config, &again, &map_order, &[]);
         }
     }
 
@@ -661,6 +677,43 @@ fn node_to_serde(n: &Node) -> J {
     serde_json::from_slice(&Emitter::new(0).document(n)).expect("generated JSON is valid")
 }
 
+/// The case proptest found (2026-12-08): a rank written `-0` is rank 0 to Python and to the
+/// filter; the oracle read serde's float -0.0 as no rank. `-0.0` stays a float to all.
+#[test]
+fn a_rank_written_minus_zero_is_rank_zero() {
+    let cfg = BodyCfg {
+        dp_size: 1,
+        explicit: true,
+        key_fields: Vec::new(),
+        room_mode: false,
+    };
+    let order = vec![RANK_FIELDS[0].to_string()];
+    let body = format!(r#"{{"{}":-0}}"#, RANK_FIELDS[0]);
+    check_body_against_serde(&cfg, &cfg.config(), body.as_bytes(), &order, &order);
+    let facts = scan_body(&cfg.config(), body.as_bytes()).expect("valid object");
+    assert_eq!(facts.rank.map(|r| r.map_err(|e| e.field)), Some(Ok(0)));
+    let float = format!(r#"{{"{}":-0.0}}"#, RANK_FIELDS[0]);
+    check_body_against_serde(&cfg, &cfg.config(), float.as_bytes(), &order, &[]);
+}
+
+/// A member's value as the engine's Python reads it: serde's, but the integer `-0` is 0
+/// (serde reads the float -0.0).
+fn python_value(n: &Node) -> J {
+    match n {
+        Node::Num(raw) if raw == "-0" => J::from(0u64),
+        _ => node_to_serde(n),
+    }
+}
+
+/// The members of an object node (none for any other node).
+fn doc_members(doc: &Node) -> impl Iterator<Item = &(String, Node)> {
+    match doc {
+        Node::Obj(members) => members.as_slice(),
+        _ => &[],
+    }
+    .iter()
+}
+
 proptest! {
     #![proptest_config(cases(256))]
 
@@ -682,7 +735,7 @@ proptest! {
         }
         let members = with_duplicates(members, dups);
         let in_order: Vec<(String, J)> =
-            members.iter().map(|(k, v)| (k.clone(), node_to_serde(v))).collect();
+            members.iter().map(|(k, v)| (k.clone(), python_value(v))).collect();
         let body = Emitter::new(seed).document(&Node::Obj(members));
         let obj: serde_json::Map<String, J> = serde_json::from_slice(&body).unwrap_or_else(|e| {
             panic!("generator wrote invalid JSON ({e}): {}", String::from_utf8_lossy(&body))
