@@ -45,8 +45,10 @@ import sys
 # prefix stage's choice, the anchor naming the home, the prompt's size in blocks.
 # Since the `home_*` counters it ends with why the home is its rank when the request went home
 # (`home_second_work`, `home_second_queue`, `home_full`; `-` otherwise); older logs lack it.
-PLACED = re.compile(r"placed: Direct \{ rank: (\d+) \} \(prefix (?:None|Some\((\w+)[^)]*\)), "
-                    r"anchor (?:Some\((\d+)\)|None), (\d+) blocks(?:, home ([\w-]+))?\)")
+# A keyed request the filter pins logs `Pinned { hash: …, rank: N, write_pin: … }` instead.
+PLACED = re.compile(r"placed: (?:Direct \{ rank: (?P<rank>\d+) \}|Pinned \{ hash: \d+, rank: (?P<pinned>\d+)[^}]*\}) "
+                    r"\(prefix (?:None|Some\((?P<choice>\w+)[^)]*\)), "
+                    r"anchor (?:Some\((?P<anchor>\d+)\)|None), (?P<blocks>\d+) blocks(?:, home (?P<home>[\w-]+))?\)")
 # Prompt bytes per token in the bench's requests (dp-replay's text.rs, BYTES_PER_TOKEN).
 BYTES_PER_TOKEN = 4
 # How far past the earliest unjoined log line a request's line may be (requests sent together
@@ -122,8 +124,9 @@ def placed_lines(log_path):
         for line in f:
             m = PLACED.search(line)
             if m:
-                out.append({"rank": int(m.group(1)), "choice": m.group(2), "anchor": m.group(3),
-                            "blocks": int(m.group(4)), "home": m.group(5)})
+                out.append({"rank": int(m.group("rank") or m.group("pinned")), "choice": m.group("choice"),
+                            "anchor": m.group("anchor"), "blocks": int(m.group("blocks")),
+                            "home": m.group("home")})
     return out
 
 

@@ -107,6 +107,22 @@ def test_the_other_replicas_moves_are_split_by_anchor():
         assert reasons_lost == {("-", "home_second_work"): 1280}, reasons_lost
 
 
+def test_a_pinned_keys_line_is_read_too():
+    with tempfile.TemporaryDirectory() as d:
+        log = os.path.join(d, "run-envoy0.log")
+        with open(log, "w") as f:
+            f.write("[2026-12-08 02:32:26.104][32301][debug][wasm] wasm log dp_affinity: [3] placed: "
+                    "Pinned { hash: 548138539300487740, rank: 0, write_pin: true } (prefix "
+                    "Some(Spread { rank: 1, blocks: 4 }), anchor Some(548138539300487740), 69 blocks, "
+                    "home home_second_work)\n")
+            f.write(placed(2, "Hit", 7, 20))
+        assert rm.placed_lines(log) == [
+            {"rank": 0, "choice": "Spread", "anchor": "548138539300487740", "blocks": 69,
+             "home": "home_second_work"},
+            {"rank": 2, "choice": "Hit", "anchor": "7", "blocks": 20, "home": None},
+        ]
+
+
 def test_a_request_without_its_log_line_is_not_joined():
     with tempfile.TemporaryDirectory() as d:
         run = write(d, "run.requests.jsonl", [
