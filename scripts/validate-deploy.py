@@ -1151,17 +1151,15 @@ def check_ranks_config(envoy_dir, reference, envoy, wasm_path, ranks=8):
     endpoints = [("127.0.0.1", 18000 + r) for r in range(ranks)]
     cfg = gen.for_ranks(shipped, endpoints)
     _, plugin = gen.plugin_config(cfg)
-    naming_ranks = ("dp_size", "learn")
     if plugin["dp_size"] != ranks:
         error(f"{what}: dp_size {plugin['dp_size']}")
     want_addresses = {f"{h}:{p}": r for r, (h, p) in enumerate(endpoints)}
     if plugin.get("learn", {}).get("upstream_addresses") != want_addresses:
         error(f"{what}: learn.upstream_addresses do not name each rank's address")
-    rest = {k: v for k, v in plugin.items() if k not in naming_ranks}
-    if rest != {k: v for k, v in reference.items() if k not in naming_ranks} or \
-            {k: v for k, v in plugin["learn"].items() if k != "upstream_addresses"} != \
-            {k: v for k, v in reference.get("learn", {}).items() if k != "upstream_addresses"}:
-        error(f"{what}: plugin settings other than the ranks' differ from envoy/envoy.yaml's")
+    diffs = [d for d in diff_paths(plugin, reference)
+             if d != "dp_size" and not d.startswith("learn.upstream_addresses")]
+    if diffs:
+        error(f"{what}: plugin configuration differs from envoy/envoy.yaml's at {', '.join(diffs)}")
     template = plugin["target"]["cluster_template"]
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     for r, (host, port) in enumerate(endpoints):
